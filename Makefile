@@ -1,0 +1,37 @@
+# The README's two commands: `make demo` and `make test`. Both set up .venv from scratch when
+# needed (idempotent, quick once done) and then run.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.cpu_opt-installed
+# Anything that changes what `pip install -e .` builds (the native kernels, the oneDNN cdef).
+BUILD_INPUTS := pyproject.toml setup.py cpu_opt/dnnl/cdefgen.py $(wildcard native/*.py native/*.c native/*.h native/kernels/*)
+
+.PHONY: setup demo test test-fast test-arm64 bench info clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) $(BUILD_INPUTS)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,gnn,bench]'
+	@touch $@
+
+setup: $(STAMP)
+
+demo: setup
+	$(PY) -m cpu_opt demo
+
+info: setup
+	$(PY) -m cpu_opt info
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) -m bench
+
+test-arm64:
+	bash graviton/emulation/run_arm64_tests.sh
+
+clean:
+	rm -rf build *.egg-info cpu_opt/_native*.so cpu_opt/dnnl/_cdef_generated.py

@@ -1,0 +1,117 @@
+"""Loader and ISA dispatch for cpu_opt._native, the C kernels built from native/.
+
+``kernel("gather_rows_f32_i64")`` returns the best compiled variant (avx512 > avx2 > base) that
+the detected CPU and ``CPU_OPT_MAX_ISA`` allow. Kernels return an int64 status; ``check``
+turns a non-zero status into :class:`cpu_opt.errors.NativeKernelError`.
+"""
+from __future__ import annotations
+
+import functools
+
+from . import hw
+from .errors import NativeKernelError
+
+# variant -> features it needs (all of them)
+VARIANT_REQUIRES = {
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+    "avx2": {"avx2", "fma", "f16c"},
+    "base": set(),
+}
+VARIANT_ORDER = ("avx512", "avx2", "base")
+
+STATUS_NAMES = {0: "CO_OK", -1: "CO_ERR_INDEX_OUT_OF_RANGE", -2: "CO_ERR_BAD_ARGUMENT", -3: "CO_ERR_UNSORTED"}
+
+
+@functools.lru_cache(maxsize=1)
+def _module():
+    import torch  # noqa: F401  - load torch's libgomp first so the kernels share its OpenMP runtime
+
+    try:
+        from . import _native
+    except ImportError as e:  # pragma: no cover - broken install
+        raise ImportError(
+            "cpu_opt._native is not built; reinstall cpu_opt (pip install -e .) with a C compiler present"
+        ) from e
+    return _native
+
+
+def ffi():
+    return _module().ffi
+
+
+def lib():
+    return _module().lib
+
+
+def compiled_variants() -> tuple[str, ...]:
+    return tuple(ffi().string(lib().co_native_variants()).decode().split(","))
+
+
+def select_variant(info: hw.CPUInfo | None = None) -> str:
+    """The variant this CPU runs: the widest compiled one whose features are all present."""
+    info = info or hw.detect()
+    built = compiled_variants()
+    for v in VARIANT_ORDER:
+        if v in built and VARIANT_REQUIRES[v] <= info.isa:
+            return v
+    return "base"
+
+
+def kernel(name: str, variant: str | None = None):
+    """The C function ``name_<variant>``; ``variant`` defaults to :func:`select_variant`."""
+    v = variant or select_variant()
+    if v not in VARIANT_REQUIRES:
+        raise ValueError(f"unknown native variant {v!r}; expected one of {VARIANT_ORDER}")
+    missing = VARIANT_REQUIRES[v] - hw.detect().isa_uncapped
+    if missing:
+        # Running it would die on an illegal instruction: refuse instead.
+        raise RuntimeError(f"native variant {v!r} needs {sorted(missing)}, which this CPU lacks")
+    try:
+        return getattr(lib(), f"{name}_{v}")
+    except AttributeError:
+        raise AttributeError(f"native kernel {name!r} has no variant {v!r}") from None
+
+
+def check(status: int, what: str, detail: str = "") -> None:
+    if status != 0:
+        name = STATUS_NAMES.get(int(status), f"status {int(status)}")
+        raise NativeKernelError(f"{what}: {name}" + (f" ({detail})" if detail else ""))
+
+
+def ptr(t, ctype: str):
+    """A cffi pointer to a (contiguous) tensor's data."""
+    return ffi().cast(ctype, t.data_ptr())
+
+
+def gather_rows(src, index, out=None, variant: str | None = None):
+    """``out[i] = src[index[i]]`` for a 2-D float32 ``src`` (index_select along dim 0).
+
+    The proof kernel of the native build; the GNN kernels live beside it. Checks the index
+    range before touching memory and raises ``IndexError`` naming the bad position.
+    """
+    import torch
+
+    if not isinstance(src, torch.Tensor) or not isinstance(index, torch.Tensor):
+        raise TypeError("gather_rows: src and index must be torch.Tensor")
+    if src.dtype != torch.float32:
+        raise TypeError(f"gather_rows: src must be float32, got {src.dtype}")
+    if src.dim() != 2:
+        raise ValueError(f"gather_rows: src must be 2-D, got {src.dim()}-D")
+    if index.dtype not in (torch.int64, torch.int32) or index.dim() != 1:
+        raise TypeError(f"gather_rows: index must be a 1-D int64 or int32 tensor, got {index.dtype} {index.dim()}-D")
+    src = src.contiguous()
+    index = index.contiguous()
+    n, f = src.shape
+    if out is None:
+        out = torch.empty(index.numel(), f, dtype=src.dtype)
+    elif out.shape != (index.numel(), f) or out.dtype != src.dtype or not out.is_contiguous():
+        raise ValueError(f"gather_rows: out must be a contiguous float32 tensor of shape {(index.numel(), f)}")
+    suffix = "i64" if index.dtype == torch.int64 else "i32"
+    bad = ffi().new("int64_t *", -1)
+    fn = kernel(f"gather_rows_f32_{suffix}", variant)
+    st = fn(ptr(src, "float *"), n, f, ptr(index, f"{'int64_t' if suffix == 'i64' else 'int32_t'} *"),
+            index.numel(), ptr(out, "float *"), torch.get_num_threads(), bad)
+    if st == -1:
+        raise IndexError(f"gather_rows: index[{bad[0]}] = {int(index[bad[0]])} is out of range for {n} rows")
+    check(st, "gather_rows")
+    return out

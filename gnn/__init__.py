@@ -1,0 +1,1 @@
+"""cpu_opt.gnn — placeholder until its issue lands."""

@@ -1,0 +1,1 @@
+"""cpu_opt.graviton — placeholder until its issue lands."""

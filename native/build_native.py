@@ -1,0 +1,57 @@
+"""cffi build script for cpu_opt._native (API mode; run by setup.py at install time).
+
+Expands ``api.h`` (prototypes written with ``KFN(name)``) into one cdef line per ISA variant
+and compiles ``variants.c``, which includes each kernel file once per variant.
+"""
+from __future__ import annotations
+
+import platform
+import re
+from pathlib import Path
+
+from cffi import FFI
+
+HERE = Path(__file__).resolve().parent
+
+
+def variants_for_machine(machine: str | None = None) -> list[str]:
+    machine = machine or platform.machine()
+    return ["base", "avx2", "avx512"] if machine in ("x86_64", "AMD64") else ["base"]
+
+
+def expand_api(text: str, variant: str) -> str:
+    """Turn ``KFN(name)`` into ``name_<variant>`` and drop preprocessor lines."""
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    out = []
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("#"):
+            m = re.match(r"#define\s+(CO_[A-Z_]+)\s+(-?\d+)$", s)
+            if m and variant == "base":
+                out.append(f"#define {m.group(1)} {m.group(2)}")
+            continue
+        out.append(re.sub(r"KFN\((\w+)\)", rf"\1_{variant}", line))
+    return "\n".join(out)
+
+
+def make_builder() -> FFI:
+    api = (HERE / "api.h").read_text()
+    cdef = "\n".join(expand_api(api, v) for v in variants_for_machine())
+    cdef += "\nconst char *co_native_variants(void);\n"
+    ffibuilder = FFI()
+    ffibuilder.cdef(cdef)
+    ffibuilder.set_source(
+        "cpu_opt._native",
+        '#include "variants.c"\n',
+        include_dirs=[str(HERE)],
+        extra_compile_args=["-O3", "-fopenmp", "-std=gnu11", "-fno-strict-aliasing",
+                            "-Wno-unused-function", "-Wno-unknown-pragmas"],
+        extra_link_args=["-fopenmp"],
+    )
+    return ffibuilder
+
+
+ffibuilder = make_builder()
+
+if __name__ == "__main__":  # build in place, for development
+    ffibuilder.compile(tmpdir=str(HERE.parent / "build" / "native"), verbose=True)

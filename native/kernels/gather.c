@@ -1,0 +1,29 @@
+/* gather_rows: out[i, :] = src[index[i], :] (index_select along dim 0).
+ * Included once per ISA variant by variants.c; every name goes through KFN. */
+
+#define CO_GATHER_ROWS(IDX_T, SUFFIX)                                                         \
+    int64_t KFN(gather_rows_f32_##SUFFIX)(const float *src, int64_t n_src, int64_t row_len,  \
+                                          const IDX_T *index, int64_t n_index, float *out,   \
+                                          int nthreads, int64_t *bad_pos)                    \
+    {                                                                                        \
+        if (n_src < 0 || row_len < 0 || n_index < 0 || nthreads < 1)                         \
+            return CO_ERR_BAD_ARGUMENT;                                                      \
+        /* check every index before any write */                                            \
+        for (int64_t i = 0; i < n_index; ++i) {                                              \
+            if (index[i] < 0 || (int64_t)index[i] >= n_src) {                                \
+                if (bad_pos) *bad_pos = i;                                                   \
+                return CO_ERR_INDEX_OUT_OF_RANGE;                                            \
+            }                                                                                \
+        }                                                                                    \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if(n_index * row_len > 32768)") \
+        for (int64_t i = 0; i < n_index; ++i) {                                              \
+            const float *restrict s = src + (int64_t)index[i] * row_len;                     \
+            float *restrict d = out + i * row_len;                                           \
+            for (int64_t j = 0; j < row_len; ++j) d[j] = s[j];                               \
+        }                                                                                    \
+        return CO_OK;                                                                        \
+    }
+
+CO_GATHER_ROWS(int64_t, i64)
+CO_GATHER_ROWS(int32_t, i32)
+#undef CO_GATHER_ROWS
