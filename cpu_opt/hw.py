@@ -26,6 +26,7 @@ import platform
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 # x86 feature names we report (lowercase, as Linux spells them in /proc/cpuinfo).
 X86_FEATURES = (
@@ -93,7 +94,9 @@ class CPUInfo:
     model_name: str
     physical_cores: int
     logical_cpus: int
-    cache_sizes: dict = field(default_factory=dict)  # {"L1d": bytes, "L2": bytes, "L3": bytes}
+    # {"L1d": bytes, "L2": bytes, "L3": bytes}; read-only (detect() shares one cached instance), and left
+    # out of the hash so a CPUInfo stays hashable.
+    cache_sizes: MappingProxyType = field(default_factory=dict, hash=False)
     isa: frozenset = frozenset()           # features after the cap
     isa_uncapped: frozenset = frozenset()  # features the CPU and OS offer
     isa_cap: str | None = None             # the CPU_OPT_MAX_ISA level in force, if any
@@ -105,6 +108,10 @@ class CPUInfo:
     model: int | None = None
     disagreements: tuple = ()              # human-readable notes where sources differ
     sources: tuple = ()                    # which sources were read
+
+    def __post_init__(self):
+        if not isinstance(self.cache_sizes, MappingProxyType):
+            object.__setattr__(self, "cache_sizes", MappingProxyType(dict(self.cache_sizes or {})))
 
     def has(self, *features: str) -> bool:
         """True when every named feature is available (after the cap)."""
@@ -182,10 +189,10 @@ def _arm_features(flags: set) -> set:
 
 def apply_isa_cap(arch: str, features: set, cap: str | None) -> set:
     """Remove every feature above ``cap``; ``None`` or ``"all"`` keeps everything."""
-    if not cap:
+    cap_l = normalize_isa_cap(cap)
+    if cap_l is None:
         return set(features)
     levels = X86_ISA_LEVELS if arch == "x86_64" else ARM_ISA_LEVELS
-    cap_l = cap.strip().lower()
     if cap_l not in levels:
         raise ISACapError(
             f"CPU_OPT_MAX_ISA={cap!r} is not a known {arch} level; expected one of {', '.join(levels)}")
@@ -196,6 +203,12 @@ def apply_isa_cap(arch: str, features: set, cap: str | None) -> set:
             break
     known = set().union(*levels.values())
     return {f for f in features if f in allowed or f not in known}
+
+
+def normalize_isa_cap(cap: str | None) -> str | None:
+    """The cap as the level tables spell it (lowercase, trimmed); ``None`` for no cap."""
+    cap_l = (cap or "").strip().lower()
+    return cap_l or None
 
 
 def isa_cap_from_env() -> str | None:
@@ -213,7 +226,8 @@ def _amx_os_enabled() -> bool | None:
         libc = ctypes.CDLL(None, use_errno=True)
         mask = ctypes.c_uint64(0)
         SYS_arch_prctl, ARCH_GET_XCOMP_SUPP = 158, 0x1021
-        if libc.syscall(SYS_arch_prctl, ARCH_GET_XCOMP_SUPP, ctypes.byref(mask)) != 0:
+        # syscall() is variadic: pass full-width longs, not ctypes' default C int.
+        if libc.syscall(ctypes.c_long(SYS_arch_prctl), ctypes.c_long(ARCH_GET_XCOMP_SUPP), ctypes.byref(mask)) != 0:
             return False
         return bool(mask.value & (1 << 18))  # XFEATURE_XTILEDATA
     except Exception:
@@ -227,7 +241,8 @@ def _sve_vector_bits_live() -> int | None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         PR_SVE_GET_VL = 51
-        r = libc.prctl(PR_SVE_GET_VL, 0, 0, 0, 0)
+        zero = ctypes.c_ulong(0)
+        r = libc.prctl(ctypes.c_int(PR_SVE_GET_VL), zero, zero, zero, zero)
         if r < 0:
             return None
         return (r & 0xFFFF) * 8
@@ -340,11 +355,17 @@ def build_info(cpuinfo_text: str, *, pycpuinfo: dict | None = None, torch_capabi
     if not cache_sizes and pycpuinfo:
         for key, name in (("l1_data_cache_size", "L1d"), ("l2_cache_size", "L2"), ("l3_cache_size", "L3")):
             if pycpuinfo.get(key):
-                cache_sizes[name] = int(pycpuinfo[key])
+                try:
+                    cache_sizes[name] = int(pycpuinfo[key])
+                except (TypeError, ValueError):
+                    pass  # e.g. a '1 MiB' string from an older py-cpuinfo
     if not cache_sizes and p.get("cache_size"):
+        # The kernel's x86 'cache size' is the last-level cache on Intel (L3 on every Xeon) but the
+        # per-core L2 on AMD and Hygon.
         m = re.match(r"(\d+)\s*KB", p["cache_size"])
         if m:
-            cache_sizes["L2"] = int(m.group(1)) * 1024
+            llc = "L3" if vendor == "GenuineIntel" else "L2"
+            cache_sizes[llc] = int(m.group(1)) * 1024
 
     capped = apply_isa_cap(arch, feats, cap)
     if "sve" not in capped:
@@ -354,7 +375,7 @@ def build_info(cpuinfo_text: str, *, pycpuinfo: dict | None = None, torch_capabi
     return CPUInfo(
         arch=arch, vendor=vendor, model_name=model_name,
         physical_cores=max(1, p["physical"]), logical_cpus=max(1, p["logical"]),
-        cache_sizes=cache_sizes, isa=frozenset(capped), isa_uncapped=frozenset(feats), isa_cap=cap,
+        cache_sizes=cache_sizes, isa=frozenset(capped), isa_uncapped=frozenset(feats), isa_cap=normalize_isa_cap(cap),
         sve_vector_bits=sve_bits_capped, arm_core=arm_core, arm_cpu_part=part,
         torch_capability=torch_capability, family=p.get("family"), model=p.get("model"),
         disagreements=tuple(notes), sources=tuple(sources),
