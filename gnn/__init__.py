@@ -1,1 +1,23 @@
-"""cpu_opt.gnn — placeholder until its issue lands."""
+"""cpu_opt.gnn — GNN kernels (scatter_reduce, gather, spmm) as torch custom ops with autograd,
+and their use inside PyTorch Geometric (:func:`optimize`).
+
+    from cpu_opt import gnn
+    out = gnn.spmm(adj_t, x, reduce="mean")          # adj_t: gnn.CSRGraph or torch sparse CSR
+    out = gnn.scatter(src, index, 0, n, reduce="max")
+    fast = gnn.optimize(pyg_model)                     # PyG's aggregation on cpu_opt kernels
+"""
+from . import _autograd  # noqa: F401  (registers autograd on the ops)
+from ._kernels import use_variant
+from .graph import CSRGraph, adj_t_from_edge_index, sort_cache
+from .ops import gather, index_select, scatter, scatter_reduce, spmm
+
+__all__ = ["CSRGraph", "adj_t_from_edge_index", "gather", "index_select", "optimize", "patched",
+           "scatter", "scatter_reduce", "sort_cache", "spmm", "use_variant"]
+
+
+def __getattr__(name):  # the PyG integration imports torch_geometric: load it on first use
+    if name in ("optimize", "patched", "OptimizedGNN"):
+        from . import pyg
+
+        return getattr(pyg, name)
+    raise AttributeError(f"module 'cpu_opt.gnn' has no attribute {name!r}")

@@ -20,3 +20,39 @@ int64_t KFN(gather_rows_f32_i64)(const float *src, int64_t n_src, int64_t row_le
 int64_t KFN(gather_rows_f32_i32)(const float *src, int64_t n_src, int64_t row_len,
                                  const int32_t *index, int64_t n_index, float *out,
                                  int nthreads, int64_t *bad_pos);
+
+/* ---- GNN kernels (native/kernels/segment.c, segment_backward.c, csr.c, gather.c) ----
+ * Feature dtypes: f32 = float, f64 = double, bf16 = uint16_t (bf16 bits; accumulated in float,
+ * written back round-to-nearest-even). Index dtypes: i64 = int64_t, i32 = int32_t.
+ * reduce codes: 0 sum, 1 mean, 2 max, 3 min, 4 prod. weight, self and arg may be NULL;
+ * arg_is_col: max/min store col[e] (a row of x) in arg instead of the position e. */
+int64_t KFN(segment_reduce_f32_i64)(const int64_t *rowptr, int64_t n_rows, const int64_t *col, const float *weight, const float *x, int64_t n_x, int64_t F, int reduce, const float *self, int include_self, float *out, int64_t *arg, int arg_is_col, int nthreads, int64_t *bad_pos);
+int64_t KFN(segment_reduce_f64_i64)(const int64_t *rowptr, int64_t n_rows, const int64_t *col, const double *weight, const double *x, int64_t n_x, int64_t F, int reduce, const double *self, int include_self, double *out, int64_t *arg, int arg_is_col, int nthreads, int64_t *bad_pos);
+int64_t KFN(segment_reduce_bf16_i64)(const int64_t *rowptr, int64_t n_rows, const int64_t *col, const uint16_t *weight, const uint16_t *x, int64_t n_x, int64_t F, int reduce, const uint16_t *self, int include_self, uint16_t *out, int64_t *arg, int arg_is_col, int nthreads, int64_t *bad_pos);
+int64_t KFN(segment_reduce_f32_i32)(const int64_t *rowptr, int64_t n_rows, const int32_t *col, const float *weight, const float *x, int64_t n_x, int64_t F, int reduce, const float *self, int include_self, float *out, int64_t *arg, int arg_is_col, int nthreads, int64_t *bad_pos);
+int64_t KFN(segment_reduce_f64_i32)(const int64_t *rowptr, int64_t n_rows, const int32_t *col, const double *weight, const double *x, int64_t n_x, int64_t F, int reduce, const double *self, int include_self, double *out, int64_t *arg, int arg_is_col, int nthreads, int64_t *bad_pos);
+int64_t KFN(segment_reduce_bf16_i32)(const int64_t *rowptr, int64_t n_rows, const int32_t *col, const uint16_t *weight, const uint16_t *x, int64_t n_x, int64_t F, int reduce, const uint16_t *self, int include_self, uint16_t *out, int64_t *arg, int arg_is_col, int nthreads, int64_t *bad_pos);
+int64_t KFN(sddmm_f32_i64)(const int64_t *rowptr, int64_t n_rows, const int64_t *col, int64_t n_b, int64_t F, const float *a, const float *b, float *out, int nthreads, int64_t *bad_pos);
+int64_t KFN(sddmm_f64_i64)(const int64_t *rowptr, int64_t n_rows, const int64_t *col, int64_t n_b, int64_t F, const double *a, const double *b, double *out, int nthreads, int64_t *bad_pos);
+int64_t KFN(sddmm_bf16_i64)(const int64_t *rowptr, int64_t n_rows, const int64_t *col, int64_t n_b, int64_t F, const uint16_t *a, const uint16_t *b, uint16_t *out, int nthreads, int64_t *bad_pos);
+int64_t KFN(sddmm_f32_i32)(const int64_t *rowptr, int64_t n_rows, const int32_t *col, int64_t n_b, int64_t F, const float *a, const float *b, float *out, int nthreads, int64_t *bad_pos);
+int64_t KFN(sddmm_f64_i32)(const int64_t *rowptr, int64_t n_rows, const int32_t *col, int64_t n_b, int64_t F, const double *a, const double *b, double *out, int nthreads, int64_t *bad_pos);
+int64_t KFN(sddmm_bf16_i32)(const int64_t *rowptr, int64_t n_rows, const int32_t *col, int64_t n_b, int64_t F, const uint16_t *a, const uint16_t *b, uint16_t *out, int nthreads, int64_t *bad_pos);
+int64_t KFN(arg_scatter_f32_i64)(const int64_t *arg, int64_t n_rows, int64_t F, const float *g, const int64_t *col, int64_t nnz, const float *weight, float *out, int64_t n_out, int nthreads, int64_t *bad_pos);
+int64_t KFN(arg_scatter_f64_i64)(const int64_t *arg, int64_t n_rows, int64_t F, const double *g, const int64_t *col, int64_t nnz, const double *weight, double *out, int64_t n_out, int nthreads, int64_t *bad_pos);
+int64_t KFN(arg_scatter_bf16_i64)(const int64_t *arg, int64_t n_rows, int64_t F, const uint16_t *g, const int64_t *col, int64_t nnz, const uint16_t *weight, uint16_t *out, int64_t n_out, int nthreads, int64_t *bad_pos);
+int64_t KFN(arg_scatter_f32_i32)(const int64_t *arg, int64_t n_rows, int64_t F, const float *g, const int32_t *col, int64_t nnz, const float *weight, float *out, int64_t n_out, int nthreads, int64_t *bad_pos);
+int64_t KFN(arg_scatter_f64_i32)(const int64_t *arg, int64_t n_rows, int64_t F, const double *g, const int32_t *col, int64_t nnz, const double *weight, double *out, int64_t n_out, int nthreads, int64_t *bad_pos);
+int64_t KFN(arg_scatter_bf16_i32)(const int64_t *arg, int64_t n_rows, int64_t F, const uint16_t *g, const int32_t *col, int64_t nnz, const uint16_t *weight, uint16_t *out, int64_t n_out, int nthreads, int64_t *bad_pos);
+int64_t KFN(arg_weight_grad_f32_i64)(const int64_t *arg, int64_t n_rows, int64_t F, const float *g, const float *x, int64_t n_x, const int64_t *col, int64_t nnz, float *out_w, int nthreads, int64_t *bad_pos);
+int64_t KFN(arg_weight_grad_f64_i64)(const int64_t *arg, int64_t n_rows, int64_t F, const double *g, const double *x, int64_t n_x, const int64_t *col, int64_t nnz, double *out_w, int nthreads, int64_t *bad_pos);
+int64_t KFN(arg_weight_grad_bf16_i64)(const int64_t *arg, int64_t n_rows, int64_t F, const uint16_t *g, const uint16_t *x, int64_t n_x, const int64_t *col, int64_t nnz, uint16_t *out_w, int nthreads, int64_t *bad_pos);
+int64_t KFN(arg_weight_grad_f32_i32)(const int64_t *arg, int64_t n_rows, int64_t F, const float *g, const float *x, int64_t n_x, const int32_t *col, int64_t nnz, float *out_w, int nthreads, int64_t *bad_pos);
+int64_t KFN(arg_weight_grad_f64_i32)(const int64_t *arg, int64_t n_rows, int64_t F, const double *g, const double *x, int64_t n_x, const int32_t *col, int64_t nnz, double *out_w, int nthreads, int64_t *bad_pos);
+int64_t KFN(arg_weight_grad_bf16_i32)(const int64_t *arg, int64_t n_rows, int64_t F, const uint16_t *g, const uint16_t *x, int64_t n_x, const int32_t *col, int64_t nnz, uint16_t *out_w, int nthreads, int64_t *bad_pos);
+int64_t KFN(gather_rows_bytes_i64)(const void *src, int64_t n_src, int64_t row_bytes, const int64_t *index, int64_t n_index, void *out, int nthreads, int64_t *bad_pos);
+int64_t KFN(index_to_csr_i64)(const int64_t *index, int64_t n, int64_t dim_size, int64_t *rowptr, int64_t *perm, int nthreads, int64_t *bad_pos);
+int64_t KFN(csr_transpose_i64)(const int64_t *rowptr, int64_t n_rows, const int64_t *col, int64_t n_cols, int64_t *colptr, int64_t *row_t, int64_t *perm, int nthreads, int64_t *bad_pos);
+int64_t KFN(gather_rows_bytes_i32)(const void *src, int64_t n_src, int64_t row_bytes, const int32_t *index, int64_t n_index, void *out, int nthreads, int64_t *bad_pos);
+int64_t KFN(index_to_csr_i32)(const int32_t *index, int64_t n, int64_t dim_size, int64_t *rowptr, int64_t *perm, int nthreads, int64_t *bad_pos);
+int64_t KFN(csr_transpose_i32)(const int64_t *rowptr, int64_t n_rows, const int32_t *col, int64_t n_cols, int64_t *colptr, int64_t *row_t, int64_t *perm, int nthreads, int64_t *bad_pos);

@@ -1,0 +1,125 @@
+"""Autograd of the cpu_opt GNN ops (``register_autograd``); the ops themselves are in ops.py.
+
+Backward formulas, each built from the cpu_opt ops themselves so ``torch.compile`` traces them:
+
+* ``spmm`` sum/mean: dx = A^T g (mean: g scaled by 1/deg first), run as a forward segment
+  reduction over the CSC transpose cached with the graph; dw[e] = <g[row(e)], x[col[e]]> (sddmm).
+* ``spmm`` amax/amin: dx, dw scattered from the winner index saved by the forward pass.
+* ``scatter_reduce`` sum/mean: dsrc = g[index] (mean: / count); amax/amin: a scatter from the
+  saved winners; prod: torch's own formula (zeros handled), in cpu_opt ops.
+  d(base) as torch defines it for include_self True / False.
+* ``gather``: dsrc = index_add(g, index), by sorted segments.
+Double backward is not provided.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ops
+
+
+# ---------------------------------------------------------------------------- spmm
+
+def _spmm_setup(ctx, inputs, output):
+    rowptr, col, weight, colptr, row_t, perm_t, x, reduce = inputs
+    _, arg = output
+    ctx.reduce = reduce
+    ctx.n_x = x.shape[0]
+    ctx.has_weight = weight is not None
+    ctx.save_for_backward(rowptr, col, weight, colptr, row_t, perm_t, x, arg)
+
+
+def _spmm_backward(ctx, grad_out, _grad_arg):
+    rowptr, col, weight, colptr, row_t, perm_t, x, arg = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[6], ctx.has_weight and ctx.needs_input_grad[2]
+    g = grad_out.contiguous()
+    grad_x = grad_w = None
+    if ctx.reduce in ("sum", "mean"):
+        if ctx.reduce == "mean":
+            deg = (rowptr[1:] - rowptr[:-1]).clamp(min=1).to(g.dtype)
+            g = g / deg.unsqueeze(1)
+        if need_x:
+            w_t = weight.index_select(0, perm_t) if weight is not None else None
+            grad_x, _ = torch.ops.cpu_opt.segment_reduce(colptr, row_t, w_t, g, "sum", None, False, False)
+        if need_w:
+            grad_w = torch.ops.cpu_opt.sddmm(rowptr, col, g, x)
+    else:
+        if need_x:
+            grad_x = torch.ops.cpu_opt.arg_scatter(arg, g, col, weight, ctx.n_x)
+        if need_w:
+            grad_w = torch.ops.cpu_opt.arg_weight_grad(arg, g, x, col)
+    return None, None, grad_w, None, None, None, grad_x, None
+
+
+ops.spmm_op.register_autograd(_spmm_backward, setup_context=_spmm_setup)
+
+
+# ---------------------------------------------------------------------------- scatter_reduce
+
+def _scatter_setup(ctx, inputs, output):
+    src, index, dim_size, reduce, base, include_self = inputs
+    out, arg, count = output
+    ctx.reduce, ctx.dim_size, ctx.include_self = reduce, dim_size, include_self
+    ctx.has_base = base is not None
+    ctx.save_for_backward(src, index, base, out, arg, count)
+
+
+def _gather(t, index):
+    return torch.ops.cpu_opt.gather(t.contiguous(), index)
+
+
+def _scatter_backward(ctx, grad_out, _grad_arg, _grad_count):
+    src, index, base, out, arg, count = ctx.saved_tensors
+    g = grad_out.contiguous()
+    red, inc, n = ctx.reduce, ctx.include_self, ctx.dim_size
+    empty = (count == 0).unsqueeze(1).to(g.dtype)
+    grad_src = grad_base = None
+    if red == "sum":
+        grad_src = _gather(g, index)
+        if ctx.has_base:
+            grad_base = g if inc else g * empty
+    elif red == "mean":
+        cnt = (count + int(inc)).clamp(min=1).to(g.dtype).unsqueeze(1)
+        gs = g / cnt
+        grad_src = _gather(gs, index)
+        if ctx.has_base:
+            grad_base = gs if inc else g * empty
+    elif red in ("amax", "amin"):
+        grad_src = torch.ops.cpu_opt.arg_scatter(arg, g, None, None, src.shape[0])
+        if ctx.has_base:
+            grad_base = g * (arg == -1).to(g.dtype)
+    else:  # prod, as torch's scatter_reduce backward, zeros included
+        src_zero = src == 0
+        n_zero = torch.ops.cpu_opt.scatter_reduce(src_zero.to(src.dtype).contiguous(), index, n, "sum", None, False)[0]
+        single = src_zero & (_gather(n_zero, index) == 1)
+        masked_src = src.masked_fill(single, 1).contiguous()
+        masked_res = torch.ops.cpu_opt.scatter_reduce(masked_src, index, n, "prod", base, inc)[0]
+        grad_src = torch.where(single, _gather(g * masked_res, index),
+                               _gather(g * out, index) / src.masked_fill(src_zero, 1))
+        if ctx.has_base:
+            if inc:
+                masked_base = base.masked_fill(base == 0, 1).contiguous()
+                res2 = torch.ops.cpu_opt.scatter_reduce(src, index, n, "prod", masked_base, True)[0]
+                grad_base = g * res2 / masked_base
+            else:
+                grad_base = g * empty
+    return grad_src, None, None, None, grad_base, None
+
+
+ops.scatter_reduce_op.register_autograd(_scatter_backward, setup_context=_scatter_setup)
+
+
+# ---------------------------------------------------------------------------- gather
+
+def _gather_setup(ctx, inputs, output):
+    src, index = inputs
+    ctx.n_src = src.shape[0]
+    ctx.save_for_backward(index)
+
+
+def _gather_backward(ctx, grad_out):
+    (index,) = ctx.saved_tensors
+    return torch.ops.cpu_opt.index_add(grad_out.contiguous(), index, ctx.n_src), None
+
+
+ops.gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)

@@ -1,0 +1,286 @@
+"""Thin Python wrappers over the C kernels in native/kernels/{segment,segment_backward,csr,gather}.c.
+
+Each wrapper checks types and shapes (TypeError / ValueError naming the argument), allocates the
+output, calls the variant :func:`cpu_opt.native.kernel` picks, and turns the kernel's status into
+an exception: the kernels check every index before touching memory, so a bad index raises
+``IndexError`` naming the position and nothing has been written. These functions know nothing of
+autograd; :mod:`cpu_opt.gnn.ops` wraps them as torch custom ops.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from cpu_opt import native
+
+FEATURE_DTYPES = {torch.float32: ("f32", "float *"), torch.float64: ("f64", "double *"),
+                  torch.bfloat16: ("bf16", "uint16_t *")}
+INDEX_DTYPES = {torch.int64: ("i64", "int64_t *"), torch.int32: ("i32", "int32_t *")}
+REDUCE_CODES = {"sum": 0, "mean": 1, "amax": 2, "amin": 3, "prod": 4}
+REDUCE_ALIASES = {"add": "sum", "max": "amax", "min": "amin", "mul": "prod"}
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def use_variant(variant: str | None):
+    """Run the GNN kernels with one ISA variant ('base', 'avx2', 'avx512'), e.g. to test them
+    against each other. ``None`` restores the automatic choice."""
+    old = getattr(_state, "variant", None)
+    _state.variant = variant
+    try:
+        yield
+    finally:
+        _state.variant = old
+
+
+def _fn(name: str):
+    return native.kernel(name, getattr(_state, "variant", None))
+
+
+def _nthreads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def canonical_reduce(reduce: str, allowed=tuple(REDUCE_CODES)) -> str:
+    if not isinstance(reduce, str):
+        raise TypeError(f"reduce must be a str, got {type(reduce).__name__}")
+    r = REDUCE_ALIASES.get(reduce, reduce)
+    if r not in allowed:
+        raise ValueError(f"reduce must be one of {sorted(set(allowed))} (or aliases "
+                         f"{[a for a, b in REDUCE_ALIASES.items() if b in allowed]}), got {reduce!r}")
+    return r
+
+
+def check_tensor(t, name: str, *, dtypes=None, dim=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got {t.dim()}-D of shape {tuple(t.shape)}")
+    return t
+
+
+def _feat(t, name, dim=2):
+    check_tensor(t, name, dtypes=FEATURE_DTYPES, dim=dim)
+    return t.contiguous()
+
+
+def _idx(t, name):
+    check_tensor(t, name, dtypes=INDEX_DTYPES, dim=1)
+    return t.contiguous()
+
+
+def _p(t, ctype):
+    return native.ffi().cast(ctype, t.data_ptr()) if t is not None else native.ffi().NULL
+
+
+def _raise_index(kernel: str, status: int, bad: int, idx_name: str, idx: torch.Tensor | None, bound,
+                 rowptr: torch.Tensor | None = None):
+    if status == -1:
+        val = int(idx[bad]) if idx is not None and 0 <= bad < idx.numel() else "?"
+        raise IndexError(f"{kernel}: {idx_name}[{bad}] = {val} is out of range [0, {bound})")
+    if status == -3:
+        raise ValueError(f"{kernel}: rowptr must start at 0 and never decrease; "
+                         f"rowptr[{bad}] = {int(rowptr[bad]) if rowptr is not None else '?'} breaks that")
+    native.check(status, kernel)
+
+
+def _check_rowptr(rowptr, n_rows_hint=None):
+    rowptr = check_tensor(rowptr, "rowptr", dtypes=(torch.int64,), dim=1).contiguous()
+    if rowptr.numel() < 1:
+        raise ValueError("rowptr must have at least one entry (n_rows + 1)")
+    return rowptr
+
+
+# ----------------------------------------------------------------------------- forward
+
+def segment_reduce(rowptr, col, weight, x, reduce: str, self=None, include_self: bool = False,
+                   arg_is_col: bool = False):
+    """``out[r] = reduce_{e in [rowptr[r], rowptr[r+1])} weight[e] * x[col[e]]`` (see segment.c).
+
+    Returns ``(out, arg)``; ``arg`` (int64, n_rows x F) holds the winning position e for
+    amax/amin (``col[e]`` with ``arg_is_col``), -1 where self or nothing won; an empty tensor
+    for the other reductions."""
+    reduce = canonical_reduce(reduce)
+    rowptr = _check_rowptr(rowptr)
+    col = _idx(col, "col")
+    x = _feat(x, "x")
+    n_rows = rowptr.numel() - 1
+    F = x.shape[1]
+    if weight is not None:
+        weight = _feat(weight, "weight", dim=1)
+        if weight.dtype != x.dtype:
+            raise TypeError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
+        if weight.numel() != col.numel():
+            raise ValueError(f"weight must have one entry per nonzero ({col.numel()}), got {weight.numel()}")
+    if self is not None:
+        self = _feat(self, "self")
+        if self.dtype != x.dtype:
+            raise TypeError(f"self dtype {self.dtype} must match x dtype {x.dtype}")
+        if tuple(self.shape) != (n_rows, F):
+            raise ValueError(f"self must have shape {(n_rows, F)}, got {tuple(self.shape)}")
+    nnz_last = int(rowptr[-1])
+    if nnz_last != col.numel():
+        raise ValueError(f"rowptr[-1] = {nnz_last} must equal the number of nonzeros col.numel() = {col.numel()}")
+    dt, ct = FEATURE_DTYPES[x.dtype]
+    isuf, ict = INDEX_DTYPES[col.dtype]
+    out = torch.empty(n_rows, F, dtype=x.dtype)
+    want_arg = reduce in ("amax", "amin")
+    arg = torch.empty(n_rows, F, dtype=torch.int64) if want_arg else torch.empty(0, dtype=torch.int64)
+    bad = native.ffi().new("int64_t *", -1)
+    st = _fn(f"segment_reduce_{dt}_{isuf}")(
+        _p(rowptr, "int64_t *"), n_rows, _p(col, ict), _p(weight, ct), _p(x, ct), x.shape[0], F,
+        REDUCE_CODES[reduce], _p(self, ct), int(bool(include_self)), _p(out, ct),
+        _p(arg if want_arg else None, "int64_t *"), int(bool(arg_is_col)), _nthreads(), bad)
+    if st:
+        _raise_index("segment_reduce", st, bad[0], "col", col, x.shape[0], rowptr)
+    return out, arg
+
+
+# ----------------------------------------------------------------------------- backward
+
+def sddmm(rowptr, col, a, b):
+    """``out[e] = <a[row(e)], b[col[e]]>`` for every nonzero (the edge-weight gradient of sum spmm)."""
+    rowptr = _check_rowptr(rowptr)
+    col = _idx(col, "col")
+    a = _feat(a, "a")
+    b = _feat(b, "b")
+    n_rows = rowptr.numel() - 1
+    if a.shape[0] != n_rows or a.shape[1] != b.shape[1] or a.dtype != b.dtype:
+        raise ValueError(f"a must be ({n_rows}, F) and b (n, F) of one dtype; got {tuple(a.shape)} "
+                         f"{a.dtype} and {tuple(b.shape)} {b.dtype}")
+    if int(rowptr[-1]) != col.numel():
+        raise ValueError("rowptr[-1] must equal col.numel()")
+    dt, ct = FEATURE_DTYPES[a.dtype]
+    isuf, ict = INDEX_DTYPES[col.dtype]
+    out = torch.empty(col.numel(), dtype=a.dtype)
+    bad = native.ffi().new("int64_t *", -1)
+    st = _fn(f"sddmm_{dt}_{isuf}")(_p(rowptr, "int64_t *"), n_rows, _p(col, ict), b.shape[0], a.shape[1],
+                                   _p(a, ct), _p(b, ct), _p(out, ct), _nthreads(), bad)
+    if st:
+        _raise_index("sddmm", st, bad[0], "col", col, b.shape[0], rowptr)
+    return out
+
+
+def arg_scatter(arg, g, col, weight, n_out: int, nnz: int | None = None):
+    """``out = zeros(n_out, F); out[col[arg[r, j]], j] += weight[arg[r, j]] * g[r, j]`` (arg >= 0).
+    ``col=None`` means arg already holds rows of out."""
+    arg = check_tensor(arg, "arg", dtypes=(torch.int64,), dim=2).contiguous()
+    g = _feat(g, "grad")
+    if arg.shape != g.shape:
+        raise ValueError(f"arg shape {tuple(arg.shape)} must equal grad shape {tuple(g.shape)}")
+    if col is not None:
+        col = _idx(col, "col")
+        nnz = col.numel()
+    elif nnz is None:
+        nnz = n_out
+    if weight is not None:
+        weight = _feat(weight, "weight", dim=1)
+        if weight.numel() != nnz or weight.dtype != g.dtype:
+            raise ValueError("weight must have one entry per nonzero and grad's dtype")
+    dt, ct = FEATURE_DTYPES[g.dtype]
+    isuf, ict = INDEX_DTYPES[col.dtype] if col is not None else ("i64", "int64_t *")
+    out = torch.empty(n_out, g.shape[1], dtype=g.dtype)
+    bad = native.ffi().new("int64_t *", -1)
+    st = _fn(f"arg_scatter_{dt}_{isuf}")(_p(arg, "int64_t *"), g.shape[0], g.shape[1], _p(g, ct),
+                                         _p(col, ict), nnz, _p(weight, ct), _p(out, ct), n_out,
+                                         _nthreads(), bad)
+    if st == -1 and bad[0] <= -2:
+        _raise_index("arg_scatter", st, -2 - bad[0], "col", col, n_out)
+    if st:
+        _raise_index("arg_scatter", st, bad[0], "arg", arg.view(-1), nnz)
+    return out
+
+
+def arg_weight_grad(arg, g, x, col):
+    """``w = zeros(nnz); w[arg[r, j]] += x[col[arg[r, j]], j] * g[r, j]`` (arg >= 0)."""
+    arg = check_tensor(arg, "arg", dtypes=(torch.int64,), dim=2).contiguous()
+    g = _feat(g, "grad")
+    x = _feat(x, "x")
+    col = _idx(col, "col")
+    if arg.shape != g.shape or x.shape[1] != g.shape[1] or x.dtype != g.dtype:
+        raise ValueError("arg and grad must have one shape, x the same number of columns and dtype")
+    dt, ct = FEATURE_DTYPES[g.dtype]
+    isuf, ict = INDEX_DTYPES[col.dtype]
+    out = torch.empty(col.numel(), dtype=g.dtype)
+    bad = native.ffi().new("int64_t *", -1)
+    st = _fn(f"arg_weight_grad_{dt}_{isuf}")(_p(arg, "int64_t *"), g.shape[0], g.shape[1], _p(g, ct),
+                                             _p(x, ct), x.shape[0], _p(col, ict), col.numel(), _p(out, ct),
+                                             _nthreads(), bad)
+    if st == -1 and bad[0] <= -2:
+        _raise_index("arg_weight_grad", st, -2 - bad[0], "col", col, x.shape[0])
+    if st:
+        _raise_index("arg_weight_grad", st, bad[0], "arg", arg.view(-1), col.numel())
+    return out
+
+
+# ----------------------------------------------------------------------------- index structures
+
+def index_to_csr(index, dim_size: int):
+    """A scatter index -> (rowptr over dim_size rows, stable sorting permutation), both int64."""
+    index = _idx(index, "index")
+    if not isinstance(dim_size, int) or dim_size < 0:
+        raise ValueError(f"dim_size must be a non-negative int, got {dim_size!r}")
+    isuf, ict = INDEX_DTYPES[index.dtype]
+    rowptr = torch.empty(dim_size + 1, dtype=torch.int64)
+    perm = torch.empty(index.numel(), dtype=torch.int64)
+    bad = native.ffi().new("int64_t *", -1)
+    st = _fn(f"index_to_csr_{isuf}")(_p(index, ict), index.numel(), dim_size, _p(rowptr, "int64_t *"),
+                                     _p(perm, "int64_t *"), _nthreads(), bad)
+    if st:
+        _raise_index("index_to_csr", st, bad[0], "index", index, dim_size)
+    return rowptr, perm
+
+
+def csr_transpose(rowptr, col, n_cols: int):
+    """CSR (rowptr, col) -> CSC (colptr, row_t, perm), perm[p] = CSR position of CSC entry p."""
+    rowptr = _check_rowptr(rowptr)
+    col = _idx(col, "col")
+    if int(rowptr[-1]) != col.numel():
+        raise ValueError(f"rowptr[-1] = {int(rowptr[-1])} must equal col.numel() = {col.numel()}")
+    isuf, ict = INDEX_DTYPES[col.dtype]
+    colptr = torch.empty(n_cols + 1, dtype=torch.int64)
+    row_t = torch.empty(col.numel(), dtype=torch.int64)
+    perm = torch.empty(col.numel(), dtype=torch.int64)
+    bad = native.ffi().new("int64_t *", -1)
+    st = _fn(f"csr_transpose_{isuf}")(_p(rowptr, "int64_t *"), rowptr.numel() - 1, _p(col, ict), n_cols,
+                                      _p(colptr, "int64_t *"), _p(row_t, "int64_t *"), _p(perm, "int64_t *"),
+                                      _nthreads(), bad)
+    if st:
+        _raise_index("csr_transpose", st, bad[0], "col", col, n_cols, rowptr)
+    return colptr, row_t, perm
+
+
+# ----------------------------------------------------------------------------- gather
+
+def gather_rows(src, index, out=None):
+    """``out[i] = src[index[i]]`` along dim 0 for any dtype, into ``out`` when given."""
+    check_tensor(src, "src")
+    if src.dim() < 1:
+        raise ValueError("src must have at least one dimension")
+    src = src.contiguous()
+    index = _idx(index, "index")
+    shape = (index.numel(),) + tuple(src.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=src.dtype)
+    else:
+        check_tensor(out, "out")
+        if tuple(out.shape) != shape or out.dtype != src.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {src.dtype} tensor of shape {shape}, "
+                             f"got {out.dtype} {tuple(out.shape)}")
+    isuf, ict = INDEX_DTYPES[index.dtype]
+    row_bytes = src.element_size() * (src[0].numel() if src.shape[0] else int(torch.Size(src.shape[1:]).numel()))
+    bad = native.ffi().new("int64_t *", -1)
+    st = _fn(f"gather_rows_bytes_{isuf}")(_p(src, "void *"), src.shape[0], row_bytes, _p(index, ict),
+                                          index.numel(), _p(out, "void *"), _nthreads(), bad)
+    if st:
+        _raise_index("gather", st, bad[0], "index", index, src.shape[0])
+    return out

@@ -1,0 +1,271 @@
+"""The GNN ops of cpu_opt, all signatures in one place (as pyg-lib keeps them).
+
+Torch custom ops (namespace ``cpu_opt``), with fake (meta) implementations here and autograd in
+:mod:`cpu_opt.gnn._autograd`:
+
+==========================  ===========================================================  ========
+op                          computes                                                     autograd
+==========================  ===========================================================  ========
+``cpu_opt::spmm``           CSR (rowptr, col, weight) x dense, sum/mean/amax/amin         x, weight
+``cpu_opt::scatter_reduce`` segments of a 1-D index, sum/mean/amax/amin/prod, include_self src, base
+``cpu_opt::gather``         ``src.index_select(0, index)``                               src
+``cpu_opt::gather_out``     the same into a preallocated ``out`` (mutates it)            no
+``cpu_opt::segment_reduce`` the raw kernel (forward of both above; backward building block) no
+``cpu_opt::sddmm``          ``<a[row(e)], b[col[e]]>`` per nonzero                        no
+``cpu_opt::arg_scatter``    max/min backward scatter from the saved winner index          no
+``cpu_opt::arg_weight_grad`` max/min backward for edge weights                            no
+``cpu_opt::index_add``      sum of rows by a 1-D index (gather's backward)                no
+==========================  ===========================================================  ========
+
+Feature dtypes float32, bfloat16 (accumulated in float32, rounded to nearest even) and float64
+(its own kernels, accumulated in double: gradcheck runs on those). Index dtypes int64 and int32.
+
+Public functions (what users call): :func:`spmm`, :func:`scatter_reduce`, :func:`scatter`,
+:func:`gather` / :func:`index_select`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _kernels as K
+from .graph import CSRGraph, sort_cache, torch_csr_registry
+
+_ARG_REDUCES = ("amax", "amin")
+
+# ============================================================================ custom ops
+
+
+@torch.library.custom_op("cpu_opt::segment_reduce", mutates_args=())
+def segment_reduce_op(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], x: Tensor, reduce: str,
+                      base: Optional[Tensor], include_self: bool, arg_is_col: bool) -> tuple[Tensor, Tensor]:
+    return K.segment_reduce(rowptr, col, weight, x, reduce, base, include_self, arg_is_col)
+
+
+@segment_reduce_op.register_fake
+def _(rowptr, col, weight, x, reduce, base, include_self, arg_is_col):
+    n = rowptr.shape[0] - 1
+    arg_shape = (n, x.shape[1]) if reduce in _ARG_REDUCES else (0,)
+    return x.new_empty(n, x.shape[1]), x.new_empty(arg_shape, dtype=torch.int64)
+
+
+@torch.library.custom_op("cpu_opt::sddmm", mutates_args=())
+def sddmm_op(rowptr: Tensor, col: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    return K.sddmm(rowptr, col, a, b)
+
+
+@sddmm_op.register_fake
+def _(rowptr, col, a, b):
+    return a.new_empty(col.shape[0])
+
+
+@torch.library.custom_op("cpu_opt::arg_scatter", mutates_args=())
+def arg_scatter_op(arg: Tensor, grad: Tensor, col: Optional[Tensor], weight: Optional[Tensor],
+                   n_out: int) -> Tensor:
+    return K.arg_scatter(arg, grad, col, weight, n_out)
+
+
+@arg_scatter_op.register_fake
+def _(arg, grad, col, weight, n_out):
+    return grad.new_empty(n_out, grad.shape[1])
+
+
+@torch.library.custom_op("cpu_opt::arg_weight_grad", mutates_args=())
+def arg_weight_grad_op(arg: Tensor, grad: Tensor, x: Tensor, col: Tensor) -> Tensor:
+    return K.arg_weight_grad(arg, grad, x, col)
+
+
+@arg_weight_grad_op.register_fake
+def _(arg, grad, x, col):
+    return grad.new_empty(col.shape[0])
+
+
+@torch.library.custom_op("cpu_opt::index_add", mutates_args=())
+def index_add_op(src: Tensor, index: Tensor, dim_size: int) -> Tensor:
+    """``out = zeros(dim_size, ...); out[index[i]] += src[i]``, by sorted segments (no atomics)."""
+    K.check_tensor(src, "src", dtypes=tuple(K.FEATURE_DTYPES))
+    K.check_tensor(index, "index", dtypes=tuple(K.INDEX_DTYPES), dim=1)
+    if src.dim() < 1 or src.shape[0] != index.numel():
+        raise ValueError(f"src must have index.numel() = {index.numel()} rows, got shape {tuple(src.shape)}")
+    rowptr, perm = sort_cache.get(index, dim_size)
+    out, _ = K.segment_reduce(rowptr, perm, None, src.reshape(src.shape[0], -1), "sum")
+    return out.reshape((dim_size,) + tuple(src.shape[1:]))
+
+
+@index_add_op.register_fake
+def _(src, index, dim_size):
+    return src.new_empty((dim_size,) + tuple(src.shape[1:]))
+
+
+@torch.library.custom_op("cpu_opt::gather", mutates_args=())
+def gather_op(src: Tensor, index: Tensor) -> Tensor:
+    return K.gather_rows(src, index)
+
+
+@gather_op.register_fake
+def _(src, index):
+    return src.new_empty((index.shape[0],) + tuple(src.shape[1:]))
+
+
+@torch.library.custom_op("cpu_opt::gather_out", mutates_args=("out",))
+def gather_out_op(src: Tensor, index: Tensor, out: Tensor) -> None:
+    K.gather_rows(src, index, out)
+
+
+@gather_out_op.register_fake
+def _(src, index, out):
+    return None
+
+
+@torch.library.custom_op("cpu_opt::spmm", mutates_args=())
+def spmm_op(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], colptr: Tensor, row_t: Tensor,
+            perm_t: Tensor, x: Tensor, reduce: str) -> tuple[Tensor, Tensor]:
+    """CSR x dense. (colptr, row_t, perm_t) is the cached CSC transpose, used by backward."""
+    return K.segment_reduce(rowptr, col, weight, x, reduce)
+
+
+@spmm_op.register_fake
+def _(rowptr, col, weight, colptr, row_t, perm_t, x, reduce):
+    n = rowptr.shape[0] - 1
+    arg_shape = (n, x.shape[1]) if reduce in _ARG_REDUCES else (0,)
+    return x.new_empty(n, x.shape[1]), x.new_empty(arg_shape, dtype=torch.int64)
+
+
+@torch.library.custom_op("cpu_opt::scatter_reduce", mutates_args=())
+def scatter_reduce_op(src: Tensor, index: Tensor, dim_size: int, reduce: str, base: Optional[Tensor],
+                      include_self: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """2-D ``src`` (E x F), 1-D ``index`` (E). Returns (out, arg, count): arg holds the winning
+    row of src for amax/amin (-1: base or nothing), count the number of src rows per output row."""
+    K.check_tensor(src, "src", dtypes=tuple(K.FEATURE_DTYPES), dim=2)
+    K.check_tensor(index, "index", dtypes=tuple(K.INDEX_DTYPES), dim=1)
+    if index.numel() != src.shape[0]:
+        raise ValueError(f"index has {index.numel()} entries but src has {src.shape[0]} rows along dim")
+    rowptr, perm = sort_cache.get(index, dim_size)
+    out, arg = K.segment_reduce(rowptr, perm, None, src, reduce, base, include_self, arg_is_col=True)
+    return out, arg, rowptr[1:] - rowptr[:-1]
+
+
+@scatter_reduce_op.register_fake
+def _(src, index, dim_size, reduce, base, include_self):
+    arg_shape = (dim_size, src.shape[1]) if reduce in _ARG_REDUCES else (0,)
+    return (src.new_empty(dim_size, src.shape[1]), src.new_empty(arg_shape, dtype=torch.int64),
+            src.new_empty(dim_size, dtype=torch.int64))
+
+
+# ============================================================================ public API
+
+
+def _graph_and_weight(adj, weight):
+    if isinstance(adj, CSRGraph):
+        return adj, (weight if weight is not None else adj.weight)
+    if isinstance(adj, torch.Tensor) and adj.layout == torch.sparse_csr:
+        g, unit = torch_csr_registry.graph_for(adj)
+        if weight is None and not unit:
+            weight = adj.values()
+        return g, weight
+    if isinstance(adj, torch.Tensor) and adj.layout in (torch.sparse_coo, torch.sparse_csc):
+        g = CSRGraph.from_torch(adj)  # converted on every call: pass CSR (or a CSRGraph) to avoid it
+        return g.with_weight(None), (weight if weight is not None else g.weight)
+    raise TypeError(f"adj must be a cpu_opt.gnn.CSRGraph or a torch sparse CSR tensor, got "
+                    f"{type(adj).__name__}{'' if not isinstance(adj, torch.Tensor) else ' ' + str(adj.layout)}")
+
+
+def spmm(adj, x: Tensor, reduce: str = "sum", weight: Optional[Tensor] = None) -> Tensor:
+    """``out[i] = reduce_{j in adj[i]} w_ij * x[j]`` for a CSR ``adj`` (n x m) and dense ``x`` (m x F).
+
+    ``adj``: a :class:`CSRGraph` or a torch sparse CSR tensor (its values are the weights, unless
+    it was made by :func:`cpu_opt.gnn.graph.adj_t_from_edge_index`, whose ones are skipped).
+    ``reduce``: sum, mean, amax (max), amin (min). Rows without nonzeros give 0. Differentiable in
+    ``x`` and the weights; backward uses the CSC transpose, built once per graph and cached."""
+    reduce = K.canonical_reduce(reduce, ("sum", "mean", "amax", "amin"))
+    g, w = _graph_and_weight(adj, weight)
+    K.check_tensor(x, "x", dtypes=tuple(K.FEATURE_DTYPES), dim=2)
+    if x.shape[0] != g.n_cols:
+        raise ValueError(f"x must have adj.shape[1] = {g.n_cols} rows, got {x.shape[0]}")
+    if w is not None:
+        K.check_tensor(w, "weight", dtypes=tuple(K.FEATURE_DTYPES), dim=1)
+        if w.numel() != g.nnz:
+            raise ValueError(f"weight must have one entry per nonzero ({g.nnz}), got {w.numel()}")
+        if w.dtype != x.dtype:
+            w = w.to(x.dtype)
+    colptr, row_t, perm_t = g.csc()
+    out, _ = torch.ops.cpu_opt.spmm(g.rowptr, g.col, w, colptr, row_t, perm_t, x, reduce)
+    return out
+
+
+def _flatten_dim(t: Tensor, dim: int) -> Tensor:
+    t = t.movedim(dim, 0)
+    return t.reshape(t.shape[0], -1)
+
+
+def scatter_reduce(src: Tensor, index: Tensor, dim: int = 0, dim_size: Optional[int] = None,
+                   reduce: str = "sum", *, input: Optional[Tensor] = None, include_self: bool = True) -> Tensor:
+    """``input.scatter_reduce(dim, index_broadcast, src, reduce, include_self=...)`` with a 1-D
+    ``index`` of length ``src.size(dim)`` (PyG's convention), ``input`` defaulting to zeros of
+    size ``dim_size`` along ``dim``. Reduces: sum, mean, amax, amin, prod.
+
+    No atomics: the index is sorted once (counting sort; kept in a small cache, so the same
+    index tensor is not sorted again) and every output row reduced in parallel. amax/amin
+    record the winning row, so their backward is a scatter; on ties the gradient goes to one
+    winner (the input when it ties, else the first in index order), where torch splits it."""
+    reduce = K.canonical_reduce(reduce)
+    K.check_tensor(src, "src", dtypes=tuple(K.FEATURE_DTYPES))
+    K.check_tensor(index, "index", dtypes=tuple(K.INDEX_DTYPES))
+    if index.dim() != 1:
+        raise ValueError(f"index must be 1-D (one entry per slice of src along dim), got shape {tuple(index.shape)}")
+    if src.dim() == 0:
+        raise ValueError("src must have at least one dimension")
+    if not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if not -src.dim() <= dim < src.dim():
+        raise IndexError(f"dim {dim} is out of range for src of {src.dim()} dimensions")
+    dim = dim % src.dim()
+    if index.numel() != src.shape[dim]:
+        raise ValueError(f"index has {index.numel()} entries but src.size({dim}) = {src.shape[dim]}")
+    if input is not None:
+        K.check_tensor(input, "input", dtypes=tuple(K.FEATURE_DTYPES))
+        if input.dtype != src.dtype:
+            raise TypeError(f"input dtype {input.dtype} must match src dtype {src.dtype}")
+        if input.dim() != src.dim() or any(input.shape[d] != src.shape[d] for d in range(src.dim()) if d != dim):
+            raise ValueError(f"input shape {tuple(input.shape)} must match src shape {tuple(src.shape)} "
+                             f"except along dim {dim}")
+        if dim_size is not None and dim_size != input.shape[dim]:
+            raise ValueError(f"dim_size {dim_size} must equal input.size({dim}) = {input.shape[dim]}")
+        dim_size = input.shape[dim]
+    if dim_size is None:
+        dim_size = int(index.max()) + 1 if index.numel() else 0
+    if not isinstance(dim_size, int) or dim_size < 0:
+        raise ValueError(f"dim_size must be a non-negative int, got {dim_size!r}")
+    rest = tuple(src.shape[:dim]) + tuple(src.shape[dim + 1:])
+    s2 = _flatten_dim(src, dim).contiguous()
+    b2 = _flatten_dim(input, dim).contiguous() if input is not None else None
+    out, _, _ = torch.ops.cpu_opt.scatter_reduce(s2, index, dim_size, reduce, b2, include_self)
+    moved = src.movedim(dim, 0).shape[1:]
+    return out.reshape((dim_size,) + tuple(moved)).movedim(0, dim) if rest else out.reshape(dim_size)
+
+
+def scatter(src: Tensor, index: Tensor, dim: int = 0, dim_size: Optional[int] = None,
+            reduce: str = "sum") -> Tensor:
+    """PyG's / torch_scatter's ``scatter``: reduce slices of ``src`` into zeros, empty rows 0,
+    mean over the number of entries (``include_self=False``)."""
+    return scatter_reduce(src, index, dim, dim_size, reduce, include_self=False)
+
+
+def gather(src: Tensor, index: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """``src.index_select(0, index)`` (differentiable in ``src``), or written into ``out``
+    (preallocated, contiguous; not differentiable)."""
+    K.check_tensor(src, "src")
+    K.check_tensor(index, "index", dtypes=tuple(K.INDEX_DTYPES))
+    if index.dim() != 1:
+        raise ValueError(f"index must be 1-D, got shape {tuple(index.shape)}")
+    if out is not None:
+        if torch.is_grad_enabled() and src.requires_grad:
+            raise RuntimeError("gather(..., out=...) is not differentiable; call it without out")
+        torch.ops.cpu_opt.gather_out(src, index, out)
+        return out
+    return torch.ops.cpu_opt.gather(src, index)
+
+
+index_select = gather

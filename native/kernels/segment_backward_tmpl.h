@@ -1,0 +1,123 @@
+/* Template of the backward kernels (see segment_backward.c). Parameters as segment_tmpl.h. */
+
+/* out[e] = dot(a[row(e), :], b[col[e], :]) for every nonzero e of the CSR (rowptr, col) */
+int64_t KFN(CO_N3(sddmm, CO_DT, CO_ISUF))(
+    const int64_t *rowptr, int64_t n_rows, const CO_IT *col, int64_t n_b, int64_t F,
+    const CO_T *a, const CO_T *b, CO_T *out, int nthreads, int64_t *bad_pos)
+{
+    if (n_rows < 0 || n_b < 0 || F < 0 || nthreads < 1 || !rowptr) return CO_ERR_BAD_ARGUMENT;
+    int64_t bp = KFN(check_rowptr)(rowptr, n_rows);
+    if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_UNSORTED; }
+    const int64_t nnz = rowptr[n_rows];
+    if (nnz > 0 && (!col || !out)) return CO_ERR_BAD_ARGUMENT;
+    bp = KFN(CO_N2(first_out_of_range, CO_IT))(col, nnz, 0, n_b, nthreads);
+    if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_INDEX_OUT_OF_RANGE; }
+#pragma omp parallel num_threads(nthreads) if (nnz * F > 32768)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t r0 = KFN(balanced_row_start)(rowptr, n_rows, t, nt);
+        const int64_t r1 = KFN(balanced_row_start)(rowptr, n_rows, t + 1, nt);
+        for (int64_t r = r0; r < r1; ++r) {
+            const CO_T *restrict ar = a + r * F;
+            for (int64_t e = rowptr[r]; e < rowptr[r + 1]; ++e) {
+                const CO_T *restrict br = b + (int64_t)col[e] * F;
+                CO_ACC s = 0;
+                for (int64_t j = 0; j < F; ++j) s += CO_LOAD(ar[j]) * CO_LOAD(br[j]);
+                out[e] = CO_STORE(s);
+            }
+        }
+    }
+    return CO_OK;
+}
+
+/* col NULL means the identity (arg holds rows of out directly).
+ * out (n_out x F) = 0; then out[col[arg[r, j]], j] += weight[arg[r, j]] * g[r, j] for arg >= 0.
+ * The backward of max/min: each winner gets its row's gradient. Threads own disjoint blocks of
+ * feature columns, so there are no write conflicts and no atomics. */
+int64_t KFN(CO_N3(arg_scatter, CO_DT, CO_ISUF))(
+    const int64_t *arg, int64_t n_rows, int64_t F, const CO_T *g, const CO_IT *col, int64_t nnz,
+    const CO_T *weight, CO_T *out, int64_t n_out, int nthreads, int64_t *bad_pos)
+{
+    if (n_rows < 0 || F < 0 || nnz < 0 || n_out < 0 || nthreads < 1) return CO_ERR_BAD_ARGUMENT;
+    if ((n_rows * F > 0 && (!arg || !g)) || (n_out * F > 0 && !out))
+        return CO_ERR_BAD_ARGUMENT;
+    int64_t bp = KFN(first_out_of_range_int64_t)(arg, n_rows * F, -1, nnz, nthreads);
+    if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_INDEX_OUT_OF_RANGE; }
+    if (col) {
+        bp = KFN(CO_N2(first_out_of_range, CO_IT))(col, nnz, 0, n_out, nthreads);
+        if (bp >= 0) { if (bad_pos) *bad_pos = -2 - bp; return CO_ERR_INDEX_OUT_OF_RANGE; }
+    } else if (nnz > n_out) {
+        return CO_ERR_BAD_ARGUMENT;
+    }
+    CO_ACC *acc;
+#if CO_T_IS_ACC
+    acc = (CO_ACC *)out;
+#else
+    acc = (CO_ACC *)malloc((size_t)(n_out * F + 1) * sizeof(CO_ACC));
+    if (!acc) return CO_ERR_BAD_ARGUMENT;
+#endif
+    const int64_t nblk = (F + 15) / 16;
+#pragma omp parallel num_threads(nthreads) if (n_rows * F > 32768)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n_out * F; ++i) acc[i] = 0;
+#pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < nblk; ++blk) {
+            const int64_t j0 = blk * 16, j1 = j0 + 16 < F ? j0 + 16 : F;
+            for (int64_t r = 0; r < n_rows; ++r) {
+                const int64_t *ar = arg + r * F;
+                const CO_T *gr = g + r * F;
+                for (int64_t j = j0; j < j1; ++j) {
+                    const int64_t e = ar[j];
+                    if (e >= 0) {
+                        const CO_ACC w = weight ? CO_LOAD(weight[e]) : (CO_ACC)1;
+                        acc[(col ? (int64_t)col[e] : e) * F + j] += w * CO_LOAD(gr[j]);
+                    }
+                }
+            }
+        }
+#if !CO_T_IS_ACC
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n_out * F; ++i) out[i] = CO_STORE(acc[i]);
+#endif
+    }
+#if !CO_T_IS_ACC
+    free(acc);
+#endif
+    return CO_OK;
+}
+
+/* out_w (nnz) = 0; then out_w[e] += x[col[e], j] * g[r, j] for every (r, j) with arg[r, j] = e.
+ * The backward of max/min with respect to the edge weights. Parallel over rows: the positions
+ * a row's arg holds are that row's own nonzeros, so rows write disjoint entries. */
+int64_t KFN(CO_N3(arg_weight_grad, CO_DT, CO_ISUF))(
+    const int64_t *arg, int64_t n_rows, int64_t F, const CO_T *g, const CO_T *x, int64_t n_x,
+    const CO_IT *col, int64_t nnz, CO_T *out_w, int nthreads, int64_t *bad_pos)
+{
+    if (n_rows < 0 || F < 0 || nnz < 0 || n_x < 0 || nthreads < 1) return CO_ERR_BAD_ARGUMENT;
+    if ((n_rows * F > 0 && (!arg || !g)) || (nnz > 0 && (!col || !out_w))) return CO_ERR_BAD_ARGUMENT;
+    int64_t bp = KFN(first_out_of_range_int64_t)(arg, n_rows * F, -1, nnz, nthreads);
+    if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_INDEX_OUT_OF_RANGE; }
+    bp = KFN(CO_N2(first_out_of_range, CO_IT))(col, nnz, 0, n_x, nthreads);
+    if (bp >= 0) { if (bad_pos) *bad_pos = -2 - bp; return CO_ERR_INDEX_OUT_OF_RANGE; }
+    CO_ACC *acc = (CO_ACC *)malloc((size_t)(nnz + 1) * sizeof(CO_ACC));
+    if (!acc) return CO_ERR_BAD_ARGUMENT;
+#pragma omp parallel num_threads(nthreads) if (n_rows * F > 32768)
+    {
+#pragma omp for schedule(static)
+        for (int64_t e = 0; e < nnz; ++e) acc[e] = 0;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const int64_t *ar = arg + r * F;
+            const CO_T *gr = g + r * F;
+            for (int64_t j = 0; j < F; ++j) {
+                const int64_t e = ar[j];
+                if (e >= 0) acc[e] += CO_LOAD(x[(int64_t)col[e] * F + j]) * CO_LOAD(gr[j]);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t e = 0; e < nnz; ++e) out_w[e] = CO_STORE(acc[e]);
+    }
+    free(acc);
+    return CO_OK;
+}

@@ -1,0 +1,119 @@
+/* Template of the forward segment reduction (see segment.c). Parameters: CO_DT, CO_T, CO_ACC,
+ * CO_LOAD, CO_STORE (feature dtype), CO_IT, CO_ISUF (index dtype). */
+
+int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
+    const int64_t *rowptr, int64_t n_rows, const CO_IT *col, const CO_T *weight,
+    const CO_T *x, int64_t n_x, int64_t F, int reduce, const CO_T *self, int include_self,
+    CO_T *out, int64_t *arg, int arg_is_col, int nthreads, int64_t *bad_pos)
+{
+    if (n_rows < 0 || n_x < 0 || F < 0 || nthreads < 1 || reduce < CO_RED_SUM || reduce > CO_RED_PROD ||
+        !rowptr || (!out && n_rows * F > 0) || (!x && n_x * F > 0))
+        return CO_ERR_BAD_ARGUMENT;
+    /* every check before any write */
+    int64_t b = KFN(check_rowptr)(rowptr, n_rows);
+    if (b >= 0) { if (bad_pos) *bad_pos = b; return CO_ERR_UNSORTED; }
+    const int64_t nnz = rowptr[n_rows];
+    if (nnz > 0 && !col) return CO_ERR_BAD_ARGUMENT;
+    b = KFN(CO_N2(first_out_of_range, CO_IT))(col, nnz, 0, n_x, nthreads);
+    if (b >= 0) { if (bad_pos) *bad_pos = b; return CO_ERR_INDEX_OUT_OF_RANGE; }
+
+    const int is_arg = (reduce == CO_RED_MAX || reduce == CO_RED_MIN);
+    const int inc = include_self ? 1 : 0;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nnz * F > 32768)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t r0 = KFN(balanced_row_start)(rowptr, n_rows, t, nt);
+        const int64_t r1 = KFN(balanced_row_start)(rowptr, n_rows, t + 1, nt);
+        CO_ACC *acc = (CO_ACC *)malloc((size_t)(F + 1) * sizeof(CO_ACC));
+        int64_t *ab = (int64_t *)malloc((size_t)(F + 1) * sizeof(int64_t));
+        if (!acc || !ab) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            for (int64_t r = r0; r < r1; ++r) {
+                const int64_t s = rowptr[r], end = rowptr[r + 1];
+                CO_T *restrict o = out + r * F;
+                const CO_T *sf = self ? self + r * F : NULL;
+                if (s == end) { /* empty segment: the base value (self, or zero) */
+                    if (sf) for (int64_t j = 0; j < F; ++j) o[j] = sf[j];
+                    else for (int64_t j = 0; j < F; ++j) o[j] = CO_STORE((CO_ACC)0);
+                    if (arg) for (int64_t j = 0; j < F; ++j) arg[r * F + j] = -1;
+                    continue;
+                }
+                /* initial value: self (or 0) when include_self, else the reduction's identity */
+                CO_ACC init;
+                switch (reduce) {
+                case CO_RED_MAX: init = (CO_ACC)(-INFINITY); break;
+                case CO_RED_MIN: init = (CO_ACC)INFINITY; break;
+                case CO_RED_PROD: init = (CO_ACC)1; break;
+                default: init = (CO_ACC)0;
+                }
+                if (inc && sf) for (int64_t j = 0; j < F; ++j) acc[j] = CO_LOAD(sf[j]);
+                else if (inc) for (int64_t j = 0; j < F; ++j) acc[j] = (CO_ACC)0;
+                else for (int64_t j = 0; j < F; ++j) acc[j] = init;
+
+                if (reduce == CO_RED_SUM || reduce == CO_RED_MEAN) {
+                    for (int64_t e = s; e < end; ++e) {
+                        if (e + 4 < end) {
+                            const char *p = (const char *)(x + (int64_t)col[e + 4] * F);
+                            for (int64_t k = 0; k < F * (int64_t)sizeof(CO_T); k += 64) __builtin_prefetch(p + k);
+                        }
+                        const CO_T *restrict xr = x + (int64_t)col[e] * F;
+                        if (weight) {
+                            const CO_ACC w = CO_LOAD(weight[e]);
+                            for (int64_t j = 0; j < F; ++j) acc[j] += w * CO_LOAD(xr[j]);
+                        } else {
+                            for (int64_t j = 0; j < F; ++j) acc[j] += CO_LOAD(xr[j]);
+                        }
+                    }
+                    if (reduce == CO_RED_MEAN) {
+                        const CO_ACC cnt = (CO_ACC)(end - s + inc);
+                        for (int64_t j = 0; j < F; ++j) acc[j] = acc[j] / cnt;
+                    }
+                } else if (reduce == CO_RED_PROD) {
+                    for (int64_t e = s; e < end; ++e) {
+                        const CO_T *restrict xr = x + (int64_t)col[e] * F;
+                        const CO_ACC w = weight ? CO_LOAD(weight[e]) : (CO_ACC)1;
+                        for (int64_t j = 0; j < F; ++j) acc[j] *= w * CO_LOAD(xr[j]);
+                    }
+                } else { /* max / min, keeping the winning position e (-1: self or nothing won) */
+                    for (int64_t j = 0; j < F; ++j) ab[j] = -1;
+                    const int is_max = reduce == CO_RED_MAX;
+                    for (int64_t e = s; e < end; ++e) {
+                        if (e + 4 < end) {
+                            const char *p = (const char *)(x + (int64_t)col[e + 4] * F);
+                            for (int64_t k = 0; k < F * (int64_t)sizeof(CO_T); k += 64) __builtin_prefetch(p + k);
+                        }
+                        const CO_T *restrict xr = x + (int64_t)col[e] * F;
+                        const CO_ACC w = weight ? CO_LOAD(weight[e]) : (CO_ACC)1;
+                        if (is_max) {
+                            for (int64_t j = 0; j < F; ++j) {
+                                const CO_ACC v = w * CO_LOAD(xr[j]);
+                                const int take = (v > acc[j]) | (v != v); /* NaN propagates */
+                                acc[j] = take ? v : acc[j];
+                                ab[j] = take ? e : ab[j];
+                            }
+                        } else {
+                            for (int64_t j = 0; j < F; ++j) {
+                                const CO_ACC v = w * CO_LOAD(xr[j]);
+                                const int take = (v < acc[j]) | (v != v);
+                                acc[j] = take ? v : acc[j];
+                                ab[j] = take ? e : ab[j];
+                            }
+                        }
+                    }
+                    if (arg && arg_is_col)
+                        for (int64_t j = 0; j < F; ++j) arg[r * F + j] = ab[j] >= 0 ? (int64_t)col[ab[j]] : -1;
+                    else if (arg)
+                        for (int64_t j = 0; j < F; ++j) arg[r * F + j] = ab[j];
+                }
+                (void)is_arg;
+                for (int64_t j = 0; j < F; ++j) o[j] = CO_STORE(acc[j]);
+            }
+        }
+        free(acc);
+        free(ab);
+    }
+    return failed ? CO_ERR_BAD_ARGUMENT : CO_OK;
+}
