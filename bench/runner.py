@@ -1,0 +1,220 @@
+"""The shared benchmark runner: warm-up, interleaved repeated runs, medians and spread,
+machine peaks measured in the same process, a printed table, JSON and PNG under bench/results/.
+
+Usage::
+
+    from bench.runner import measure, Report, machine_peaks
+    stats = measure({"torch": lambda: a @ b, "cpu_opt": lambda: mm(a, b)}, repeats=20)
+    rep = Report("dnnl")
+    rep.add(case="1024^3", impl="torch", median_ms=stats["torch"].median * 1e3, ...)
+    rep.print_table(["case", "impl", "median_ms", "gflops"])
+    rep.save()
+
+Timings on a shared machine are noisy: compare ratios of functions measured interleaved in one
+process (``measure`` rotates the order each round), and read medians, not means.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, asdict
+from pathlib import Path
+from typing import Callable
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Stats:
+    median: float   # seconds
+    q25: float
+    q75: float
+    min: float
+    runs: int
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range relative to the median."""
+        return (self.q75 - self.q25) / self.median if self.median else 0.0
+
+
+def _stats(samples: list[float]) -> Stats:
+    s = sorted(samples)
+    qs = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0]] * 3
+    return Stats(median=statistics.median(s), q25=qs[0], q75=qs[2], min=s[0], runs=len(s))
+
+
+def measure(fns: dict[str, Callable[[], object]], *, warmup: int = 3, repeats: int = 15,
+            inner: int = 1, max_seconds: float | None = None) -> dict[str, Stats]:
+    """Time each callable ``repeats`` times, interleaved (round-robin, rotating the start), after
+    ``warmup`` calls each. ``inner`` calls are timed together and divided (for very short calls).
+    ``max_seconds`` stops adding rounds once exceeded (at least 3 rounds are kept)."""
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    t_start = time.perf_counter()
+    for r in range(repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            f = fns[n]
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                f()
+            samples[n].append((time.perf_counter() - t0) / inner)
+        if max_seconds is not None and r >= 2 and time.perf_counter() - t_start > max_seconds:
+            break
+    return {n: _stats(v) for n, v in samples.items()}
+
+
+def threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def environment() -> dict:
+    import torch
+
+    from cpu_opt import hw
+
+    info = hw.detect()
+    env = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": info.model_name,
+        "isa": sorted(info.isa),
+        "isa_cap": info.isa_cap,
+        "machine": platform.machine(),
+    }
+    try:
+        from cpu_opt import dnnl
+
+        env["onednn"] = dnnl.version()
+    except Exception as e:  # no binding on this machine
+        env["onednn"] = f"unavailable ({type(e).__name__})"
+    return env
+
+
+# ----------------------------------------------------------------------------- machine peaks
+
+def gemm_peak_gflops(dtype: str = "fp32", n: int = 2048, repeats: int = 5) -> float:
+    """The best GEMM rate this process reaches at ``n``³: the max over torch's own matmul and
+    cpu_opt's oneDNN binding (packed weights), in GFLOP/s — the 'machine peak' the issues
+    measure GEMM-bound models against."""
+    import torch
+
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    a = torch.randn(n, n).to(dt)
+    b = torch.randn(n, n).to(dt)
+    fns = {"torch": lambda: torch.matmul(a, b)}
+    try:
+        from cpu_opt.dnnl import primitives as P
+
+        mm = P.Matmul.for_weights(b, src_shape=a.shape, src_dtype=dt)
+        fns["onednn"] = lambda: mm(a)
+    except Exception:
+        pass
+    st = measure(fns, warmup=1, repeats=repeats)
+    best = min(s.median for s in st.values())
+    return 2 * n**3 / best / 1e9
+
+
+def memory_bandwidth_gbs(nbytes: int = 1 << 28, repeats: int = 7) -> float:
+    """Copy bandwidth (read + write bytes per second) of a large tensor copy, in GB/s."""
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    st = measure({"copy": lambda: dst.copy_(src)}, warmup=1, repeats=repeats)
+    return 2 * nbytes / st["copy"].median / 1e9
+
+
+def machine_peaks(dtypes=("fp32", "bf16"), gemm_n: int = 2048) -> dict:
+    out = {f"gemm_{d}_gflops": round(gemm_peak_gflops(d, gemm_n), 1) for d in dtypes}
+    out["mem_bw_gbs"] = round(memory_bandwidth_gbs(), 1)
+    return out
+
+
+# ----------------------------------------------------------------------------- reporting
+
+class Report:
+    """Rows of results plus the environment they were measured in."""
+
+    def __init__(self, name: str, **meta):
+        self.name = name
+        self.rows: list[dict] = []
+        self.meta = {**environment(), **meta}
+
+    def add(self, **row) -> dict:
+        self.rows.append(row)
+        return row
+
+    def print_table(self, columns: list[str] | None = None, file=None) -> str:
+        file = file or sys.stdout
+        cols = columns or list(dict.fromkeys(k for r in self.rows for k in r))
+
+        def fmt(v):
+            if isinstance(v, float):
+                return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+            return "" if v is None else str(v)
+
+        cells = [[fmt(r.get(c)) for c in cols] for r in self.rows]
+        widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+        lines = [f"# {self.name} — threads={self.meta['threads']}, torch {self.meta['torch']}, "
+                 f"oneDNN {self.meta.get('onednn')}, CPU {self.meta['cpu']}"]
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+        lines.append("  ".join("-" * w for w in widths))
+        lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+        text = "\n".join(lines)
+        print(text, file=file, flush=True)
+        return text
+
+    def save(self, path: Path | None = None) -> Path:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        path = path or RESULTS_DIR / f"{self.name}.json"
+        path.write_text(json.dumps({"benchmark": self.name, "meta": self.meta, "rows": self.rows}, indent=1))
+        print(f"wrote {path}")
+        return path
+
+
+def bar_chart(path: Path, labels: list[str], series: dict[str, list[float]], *, ylabel: str,
+              title: str, log: bool = False) -> Path | None:
+    """A grouped bar chart (PNG). Returns None (with a note) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart (pip install matplotlib)")
+        return None
+    import numpy as np
+
+    x = np.arange(len(labels))
+    w = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels) * max(1, len(series)) / 2), 4.5))
+    for i, (name, vals) in enumerate(series.items()):
+        ax.bar(x + (i - (len(series) - 1) / 2) * w, vals, w, label=name)
+    ax.set_xticks(x, labels, rotation=20, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if log:
+        ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path

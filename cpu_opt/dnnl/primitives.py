@@ -1,0 +1,581 @@
+"""oneDNN primitives on torch tensors: matmul, inner product, 2-D convolution, reorder.
+
+Each op has a *layer* form that packs its weights once into the layout the primitive prefers
+(:class:`Matmul`, :class:`InnerProduct`, :class:`Conv2d`) and a functional form for two runtime
+operands (:func:`matmul`). Compiled primitives come from :data:`cpu_opt.dnnl.cache.CACHE`, keyed by
+op, shapes, strides, dtypes and attributes, so a repeated call with the same shapes creates
+nothing. Tensors are bound to oneDNN memory by data pointer, without copies.
+
+Post-ops are :class:`PostOp` values: ``PostOp("relu")``, ``"gelu_erf"``, ``"gelu_tanh"``,
+``"silu"``, ``"sigmoid"``, ``"tanh"``, ``"hardswish"``, ``PostOp("sum", scale=1.0)`` (accumulate
+into the ``out`` tensor passed at call time) and ``PostOp("add")`` (add a broadcastable tensor
+passed at call time).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import lib as L
+from .cache import CACHE
+from .memory import TORCH_TO_DNNL, BorrowedDesc, MemoryDesc, ThreadSlots, dnnl_dtype, empty_for, memory, set_handle
+
+ELTWISE = {
+    # name: (alg kind, alpha, beta)
+    "relu": ("dnnl_eltwise_relu", 0.0, 0.0),
+    "gelu_erf": ("dnnl_eltwise_gelu_erf", 0.0, 0.0),
+    "gelu_tanh": ("dnnl_eltwise_gelu_tanh", 0.0, 0.0),
+    "silu": ("dnnl_eltwise_swish", 1.0, 0.0),
+    "sigmoid": ("dnnl_eltwise_logistic", 0.0, 0.0),
+    "tanh": ("dnnl_eltwise_tanh", 0.0, 0.0),
+    "hardswish": ("dnnl_eltwise_hardswish", 1.0 / 6.0, 0.5),
+    "hardsigmoid": ("dnnl_eltwise_hardsigmoid", 1.0 / 6.0, 0.5),
+}
+
+
+@dataclass(frozen=True)
+class PostOp:
+    kind: str                     # an ELTWISE name, "sum", "add" or "mul"
+    scale: float = 1.0            # for "sum"
+    shape: tuple = ()             # for "add"/"mul": the other operand's shape (broadcastable to dst)
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if self.kind not in ELTWISE and self.kind not in ("sum", "add", "mul"):
+            raise ValueError(f"unknown post-op {self.kind!r}; expected one of "
+                             f"{sorted(ELTWISE) + ['sum', 'add', 'mul']}")
+
+
+def _post_ops(ops: Sequence[PostOp | str]) -> tuple[PostOp, ...]:
+    return tuple(PostOp(o) if isinstance(o, str) else o for o in ops)
+
+
+class Compiled:
+    """A primitive descriptor and its primitive, with per-thread memory slots."""
+
+    def __init__(self, pd, what: str):
+        f, l = L.ffi(), L.lib()
+        self.pd = f.gc(pd, l.dnnl_primitive_desc_destroy)
+        p = f.new("dnnl_primitive_t *")
+        L.check(l.dnnl_primitive_create(p, self.pd), "dnnl_primitive_create", what)
+        self.prim = f.gc(p[0], l.dnnl_primitive_destroy)
+        self.what = what
+        self.slots: ThreadSlots | None = None
+
+    def query_md(self, which: str, index: int = 0) -> BorrowedDesc:
+        h = L.lib().dnnl_primitive_desc_query_md(self.pd, getattr(L.lib(), f"dnnl_query_{which}_md"), index)
+        if h == L.ffi().NULL:
+            raise RuntimeError(f"{self.what}: no {which} memory descriptor")
+        return BorrowedDesc(h, self)
+
+    @property
+    def impl(self) -> str:
+        """The implementation oneDNN picked (``brg:avx512_core``, ``gemm:jit`` ...)."""
+        out = L.ffi().new("char **")
+        L.check(L.lib().dnnl_primitive_desc_query(self.pd, L.lib().dnnl_query_impl_info_str, 0, out),
+                "dnnl_primitive_desc_query")
+        return L.ffi().string(out[0]).decode()
+
+    def bind(self, args: list[tuple[int, MemoryDesc]], fixed: dict | None = None):
+        self.slots = ThreadSlots(args, fixed or {})
+
+    def run(self, tensors: dict[int, torch.Tensor]) -> None:
+        mems, args = self.slots.get()
+        for arg, t in tensors.items():
+            set_handle(mems[arg], t)
+        L.check(L.lib().dnnl_primitive_execute(self.prim, L.stream(), len(args), args),
+                "dnnl_primitive_execute", self.what)
+        L.check(L.lib().dnnl_stream_wait(L.stream()), "dnnl_stream_wait", self.what)
+
+
+class _Attr:
+    """An owned dnnl_primitive_attr_t with post-ops, scales and zero points."""
+
+    def __init__(self, post_ops: tuple[PostOp, ...] = (), scales: dict[int, int] | None = None,
+                 zero_points: dict[int, int] | None = None, dst_ndims: int = 2):
+        f, l = L.ffi(), L.lib()
+        p = f.new("dnnl_primitive_attr_t *")
+        L.check(l.dnnl_primitive_attr_create(p), "dnnl_primitive_attr_create")
+        self.handle = f.gc(p[0], l.dnnl_primitive_attr_destroy)
+        self.binary_args: list[tuple[int, MemoryDesc]] = []
+        if post_ops:
+            pp = f.new("dnnl_post_ops_t *")
+            L.check(l.dnnl_post_ops_create(pp), "dnnl_post_ops_create")
+            po = f.gc(pp[0], l.dnnl_post_ops_destroy)
+            for idx, op in enumerate(post_ops):
+                if op.kind in ELTWISE:
+                    alg, a, b = ELTWISE[op.kind]
+                    L.check(l.dnnl_post_ops_append_eltwise(po, getattr(l, alg), a, b),
+                            "dnnl_post_ops_append_eltwise", op.kind)
+                elif op.kind == "sum":
+                    L.check(l.dnnl_post_ops_append_sum(po, float(op.scale), 0, l.dnnl_data_type_undef),
+                            "dnnl_post_ops_append_sum")
+                else:
+                    shape = tuple(op.shape)
+                    if len(shape) < dst_ndims:
+                        shape = (1,) * (dst_ndims - len(shape)) + shape
+                    md = MemoryDesc.strided(shape, op.dtype)
+                    alg = l.dnnl_binary_add if op.kind == "add" else l.dnnl_binary_mul
+                    L.check(l.dnnl_post_ops_append_binary(po, alg, md.handle), "dnnl_post_ops_append_binary")
+                    arg = l.DNNL_ARG_ATTR_MULTIPLE_POST_OP_BASE * (idx + 1) | l.DNNL_ARG_SRC_1
+                    self.binary_args.append((arg, md))
+            L.check(l.dnnl_primitive_attr_set_post_ops(self.handle, po), "dnnl_primitive_attr_set_post_ops")
+        for arg, mask in (scales or {}).items():
+            L.check(l.dnnl_primitive_attr_set_scales_mask(self.handle, arg, mask), "dnnl_primitive_attr_set_scales_mask")
+        for arg, mask in (zero_points or {}).items():
+            L.check(l.dnnl_primitive_attr_set_zero_points_mask(self.handle, arg, mask),
+                    "dnnl_primitive_attr_set_zero_points_mask")
+
+
+def _check_tensor(t, name: str, dtypes=None, ndim=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
+    if ndim is not None and t.dim() not in (ndim if isinstance(ndim, tuple) else (ndim,)):
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+SRC_DTYPES = (torch.float32, torch.bfloat16, torch.uint8, torch.int8)
+
+
+class _PackedWeights:
+    """Weights reordered once per layout the primitives ask for (usually one)."""
+
+    def __init__(self, src: torch.Tensor):
+        self.src = src
+        self.src_md = MemoryDesc.of(src)
+        self.packed: list[tuple[BorrowedDesc, torch.Tensor]] = []
+
+    def for_md(self, md: BorrowedDesc) -> torch.Tensor:
+        for have, buf in self.packed:
+            if have == md:
+                return buf
+        buf = empty_for(md)
+        reorder_into(self.src, self.src_md, buf, md)
+        self.packed.append((md, buf))
+        return buf
+
+
+def _post_op_key(post_ops):
+    return tuple((p.kind, p.scale, tuple(p.shape), str(p.dtype)) for p in post_ops)
+
+
+class Matmul:
+    """``dst = src @ W (+ bias)`` with post-ops, ``W`` (K, N) packed once.
+
+    ``src`` may have any number of leading dimensions (treated as rows, like ``F.linear``) and
+    must be contiguous. ``W`` in torch's ``nn.Linear`` layout (N, K) is accepted through
+    :meth:`from_linear` (a transposed view; no copy before the one reorder).
+
+    int8: ``src`` u8 (with ``src_zero_point``) or s8, ``W`` s8; ``src_scale`` (float) and
+    ``weight_scales`` (per-output-column tensor of N floats, or a float) dequantize into an f32 or
+    bf16 ``dst``; ``dst_dtype=torch.int32`` with no scales gives the exact integer product.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 post_ops: Sequence[PostOp | str] = (), *, src_dtype: torch.dtype | None = None,
+                 dst_dtype: torch.dtype | None = None, src_scale: float | None = None,
+                 weight_scales=None, src_zero_point: int | None = None):
+        _check_tensor(weight, "weight", (torch.float32, torch.bfloat16, torch.int8), 2)
+        self.K, self.N = weight.shape
+        self.weight_dtype = weight.dtype
+        int8 = weight.dtype == torch.int8
+        self.src_dtype = src_dtype or (torch.uint8 if int8 else weight.dtype)
+        if int8 and self.src_dtype not in (torch.uint8, torch.int8):
+            raise TypeError(f"int8 weights need a u8 or s8 src, got src_dtype={self.src_dtype}")
+        if not int8 and self.src_dtype != weight.dtype:
+            raise TypeError(f"src_dtype {self.src_dtype} does not match weight dtype {weight.dtype} "
+                            "(cast one of them; mixed fp32/bf16 matmul is not supported)")
+        self.dst_dtype = dst_dtype or (torch.float32 if int8 else weight.dtype)
+        if bias is not None:
+            _check_tensor(bias, "bias", (torch.float32, torch.bfloat16), 1)
+            if bias.numel() != self.N:
+                raise ValueError(f"bias has {bias.numel()} elements; weight has N={self.N} columns")
+            self.bias = bias.reshape(1, self.N).contiguous()
+        else:
+            self.bias = None
+        self.post_ops = _post_ops(post_ops)
+        self._packed = _PackedWeights(weight)
+        # quantization parameters (all kept as tensors bound at call time)
+        self.src_scale = None if src_scale is None else torch.tensor([float(src_scale)], dtype=torch.float32)
+        if weight_scales is None:
+            self.weight_scales, self._wmask = None, 0
+        else:
+            ws = torch.as_tensor(weight_scales, dtype=torch.float32).reshape(-1).contiguous()
+            if ws.numel() not in (1, self.N):
+                raise ValueError(f"weight_scales must have 1 or N={self.N} values, got {ws.numel()}")
+            self.weight_scales, self._wmask = ws, (0 if ws.numel() == 1 else 2)
+        self.src_zp = None if not src_zero_point else torch.tensor([int(src_zero_point)], dtype=torch.int32)
+
+    @classmethod
+    def from_linear(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, post_ops=(), **kw) -> "Matmul":
+        """From an ``nn.Linear`` weight (N, K): uses the transposed view, no copy."""
+        _check_tensor(weight, "weight", None, 2)
+        return cls(weight.t(), bias, post_ops, **kw)
+
+    @classmethod
+    def for_weights(cls, weight: torch.Tensor, *, src_shape=None, src_dtype=None, **kw) -> "Matmul":
+        m = cls(weight, src_dtype=src_dtype, **kw)
+        if src_shape is not None:  # warm the cache and pack now
+            m._compiled(int(torch.Size(src_shape)[:-1].numel()))
+        return m
+
+    def _key(self, M: int):
+        return ("matmul", M, self.K, self.N, str(self.src_dtype), str(self.weight_dtype), str(self.dst_dtype),
+                None if self.bias is None else str(self.bias.dtype), _post_op_key(self.post_ops),
+                self.src_scale is not None, self._wmask if self.weight_scales is not None else None,
+                self.src_zp is not None)
+
+    def _compiled(self, M: int) -> tuple[Compiled, torch.Tensor]:
+        comp = CACHE.get_or_create(self._key(M), lambda: self._create(M))
+        return comp, self._packed.for_md(comp.query_md("weights"))
+
+    def _create(self, M: int) -> Compiled:
+        l = L.lib()
+        src_md = MemoryDesc.strided((M, self.K), self.src_dtype)
+        w_md = MemoryDesc.any((self.K, self.N), self.weight_dtype)
+        b_md = None if self.bias is None else MemoryDesc.strided((1, self.N), self.bias.dtype)
+        dst_md = MemoryDesc.strided((M, self.N), self.dst_dtype)
+        scales, zps = {}, {}
+        if self.src_scale is not None:
+            scales[l.DNNL_ARG_SRC] = 0
+        if self.weight_scales is not None:
+            scales[l.DNNL_ARG_WEIGHTS] = self._wmask
+        if self.src_zp is not None:
+            zps[l.DNNL_ARG_SRC] = 0
+        attr = _Attr(self.post_ops, scales, zps, dst_ndims=2)
+        pd = L.ffi().new("dnnl_primitive_desc_t *")
+        what = f"matmul {M}x{self.K}x{self.N} {self.src_dtype}->{self.dst_dtype}"
+        L.check(l.dnnl_matmul_primitive_desc_create(pd, L.engine(), src_md.handle, w_md.handle,
+                                                    b_md.handle if b_md else L.ffi().NULL, dst_md.handle,
+                                                    attr.handle), "dnnl_matmul_primitive_desc_create", what)
+        comp = Compiled(pd[0], what)
+        args = [(l.DNNL_ARG_SRC, src_md), (l.DNNL_ARG_WEIGHTS, comp.query_md("weights")), (l.DNNL_ARG_DST, dst_md)]
+        if b_md is not None:
+            args.append((l.DNNL_ARG_BIAS, b_md))
+        args += attr.binary_args
+        one = MemoryDesc.strided((1,), torch.float32)
+        if self.src_scale is not None:
+            args.append((l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_SRC, one))
+        if self.weight_scales is not None:
+            args.append((l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_WEIGHTS,
+                         MemoryDesc.strided((self.weight_scales.numel(),), torch.float32)))
+        if self.src_zp is not None:
+            args.append((l.DNNL_ARG_ATTR_ZERO_POINTS | l.DNNL_ARG_SRC, MemoryDesc.strided((1,), torch.int32)))
+        comp.bind(args)
+        comp._attr = attr  # keep alive
+        return comp
+
+    def __call__(self, src: torch.Tensor, *, out: torch.Tensor | None = None,
+                 binary: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        _check_tensor(src, "src", (self.src_dtype,))
+        if src.dim() < 1 or src.shape[-1] != self.K:
+            raise ValueError(f"src has shape {tuple(src.shape)}; its last dimension must be K={self.K}")
+        if not src.is_contiguous():
+            raise ValueError("src must be contiguous (call .contiguous() first)")
+        lead = src.shape[:-1]
+        M = int(lead.numel())
+        l = L.lib()
+        has_sum = any(p.kind == "sum" for p in self.post_ops)
+        if out is None:
+            if has_sum:
+                raise ValueError("a 'sum' post-op accumulates into out=: pass the tensor to add to")
+            out = torch.empty(*lead, self.N, dtype=self.dst_dtype)
+        else:
+            _check_tensor(out, "out", (self.dst_dtype,))
+            if tuple(out.shape) != (*lead, self.N) or not out.is_contiguous():
+                raise ValueError(f"out must be a contiguous {self.dst_dtype} tensor of shape {(*lead, self.N)}")
+        if M == 0:
+            return out
+        comp, packed = self._compiled(M)
+        bin_args = [a for a, _ in comp._attr.binary_args]
+        if len(binary) != len(bin_args):
+            raise ValueError(f"this matmul has {len(bin_args)} binary post-op(s); got {len(binary)} tensor(s)")
+        tensors = {l.DNNL_ARG_SRC: src, l.DNNL_ARG_WEIGHTS: packed, l.DNNL_ARG_DST: out}
+        if self.bias is not None:
+            tensors[l.DNNL_ARG_BIAS] = self.bias
+        keep = []
+        for (arg, md), t in zip(comp._attr.binary_args, binary):
+            t = t.to(md.dtype).contiguous()
+            if t.numel() != torch.Size(md.shape).numel():
+                raise ValueError(f"binary post-op operand has shape {tuple(t.shape)}, expected {md.shape}")
+            keep.append(t)
+            tensors[arg] = t
+        if self.src_scale is not None:
+            tensors[l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_SRC] = self.src_scale
+        if self.weight_scales is not None:
+            tensors[l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_WEIGHTS] = self.weight_scales
+        if self.src_zp is not None:
+            tensors[l.DNNL_ARG_ATTR_ZERO_POINTS | l.DNNL_ARG_SRC] = self.src_zp
+        comp.run(tensors)
+        return out
+
+    def impl(self, M: int) -> str:
+        return self._compiled(M)[0].impl
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+           post_ops: Sequence[PostOp | str] = (), *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` for two runtime operands (2-D, or batched with equal leading dims), fp32 or
+    bf16; both are read in place with their strides (transposed views are fine)."""
+    _check_tensor(a, "a", FLOAT_DTYPES)
+    _check_tensor(b, "b", FLOAT_DTYPES)
+    if a.dtype != b.dtype:
+        raise TypeError(f"a is {a.dtype} but b is {b.dtype}; matmul needs equal dtypes")
+    if a.dim() < 2 or a.dim() != b.dim():
+        raise ValueError(f"a and b must have the same rank >= 2, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[:-2] != b.shape[:-2]:
+        raise ValueError(f"batch dimensions differ: {tuple(a.shape[:-2])} vs {tuple(b.shape[:-2])}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    post_ops = _post_ops(post_ops)
+    dst_shape = (*a.shape[:-1], b.shape[-1])
+    if bias is not None:
+        _check_tensor(bias, "bias", FLOAT_DTYPES, 1)
+        if bias.numel() != b.shape[-1]:
+            raise ValueError(f"bias has {bias.numel()} elements, expected {b.shape[-1]}")
+        bias = bias.reshape((1,) * (len(dst_shape) - 1) + (-1,)).contiguous()
+    if out is None:
+        out = torch.empty(dst_shape, dtype=a.dtype)
+    elif tuple(out.shape) != dst_shape or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous with shape {dst_shape}")
+    if out.numel() == 0:
+        return out
+    l = L.lib()
+    key = ("matmul_rt", tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), str(a.dtype),
+           None if bias is None else str(bias.dtype), _post_op_key(post_ops))
+
+    def create():
+        a_md, b_md, d_md = MemoryDesc.of(a), MemoryDesc.of(b), MemoryDesc.strided(dst_shape, a.dtype)
+        bias_md = None if bias is None else MemoryDesc.of(bias)
+        attr = _Attr(post_ops, dst_ndims=len(dst_shape))
+        pd = L.ffi().new("dnnl_primitive_desc_t *")
+        what = f"matmul {tuple(a.shape)}x{tuple(b.shape)} {a.dtype}"
+        L.check(l.dnnl_matmul_primitive_desc_create(pd, L.engine(), a_md.handle, b_md.handle,
+                                                    bias_md.handle if bias_md else L.ffi().NULL, d_md.handle,
+                                                    attr.handle), "dnnl_matmul_primitive_desc_create", what)
+        comp = Compiled(pd[0], what)
+        args = [(l.DNNL_ARG_SRC, a_md), (l.DNNL_ARG_WEIGHTS, b_md), (l.DNNL_ARG_DST, d_md)]
+        if bias_md is not None:
+            args.append((l.DNNL_ARG_BIAS, bias_md))
+        comp.bind(args + attr.binary_args)
+        comp._attr = attr
+        return comp
+
+    comp = CACHE.get_or_create(key, create)
+    if any(p.kind in ("add", "mul") for p in post_ops):
+        raise ValueError("functional matmul supports eltwise and sum post-ops only; use Matmul for binary ones")
+    tensors = {l.DNNL_ARG_SRC: a, l.DNNL_ARG_WEIGHTS: b, l.DNNL_ARG_DST: out}
+    if bias is not None:
+        tensors[l.DNNL_ARG_BIAS] = bias
+    comp.run(tensors)
+    return out
+
+
+class InnerProduct:
+    """``dst = src @ W.T + bias`` for ``nn.Linear`` weights (OC, IC), weights packed once."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 post_ops: Sequence[PostOp | str] = ()):
+        _check_tensor(weight, "weight", FLOAT_DTYPES, 2)
+        self.OC, self.IC = weight.shape
+        self.dtype = weight.dtype
+        if bias is not None:
+            _check_tensor(bias, "bias", FLOAT_DTYPES, 1)
+            if bias.numel() != self.OC:
+                raise ValueError(f"bias has {bias.numel()} elements; weight has {self.OC} output features")
+            bias = bias.contiguous()
+        self.bias = bias
+        self.post_ops = _post_ops(post_ops)
+        if any(p.kind in ("add", "mul", "sum") for p in self.post_ops):
+            raise ValueError("InnerProduct takes eltwise post-ops only; use Matmul for sum/add")
+        self._packed = _PackedWeights(weight.contiguous())
+
+    def _create(self, N: int) -> Compiled:
+        l = L.lib()
+        src_md = MemoryDesc.strided((N, self.IC), self.dtype)
+        w_md = MemoryDesc.any((self.OC, self.IC), self.dtype)
+        b_md = None if self.bias is None else MemoryDesc.strided((self.OC,), self.bias.dtype)
+        dst_md = MemoryDesc.strided((N, self.OC), self.dtype)
+        attr = _Attr(self.post_ops)
+        pd = L.ffi().new("dnnl_primitive_desc_t *")
+        what = f"inner_product {N}x{self.IC}->{self.OC} {self.dtype}"
+        L.check(l.dnnl_inner_product_forward_primitive_desc_create(
+            pd, L.engine(), l.dnnl_forward_inference, src_md.handle, w_md.handle,
+            b_md.handle if b_md else L.ffi().NULL, dst_md.handle, attr.handle),
+            "dnnl_inner_product_forward_primitive_desc_create", what)
+        comp = Compiled(pd[0], what)
+        args = [(l.DNNL_ARG_SRC, src_md), (l.DNNL_ARG_WEIGHTS, comp.query_md("weights")), (l.DNNL_ARG_DST, dst_md)]
+        if b_md is not None:
+            args.append((l.DNNL_ARG_BIAS, b_md))
+        comp.bind(args)
+        comp._attr = attr
+        return comp
+
+    def __call__(self, src: torch.Tensor) -> torch.Tensor:
+        _check_tensor(src, "src", (self.dtype,), 2)
+        if src.shape[1] != self.IC:
+            raise ValueError(f"src has {src.shape[1]} features; the layer takes {self.IC}")
+        src = src.contiguous()
+        N = src.shape[0]
+        out = torch.empty(N, self.OC, dtype=self.dtype)
+        if N == 0:
+            return out
+        key = ("inner_product", N, self.IC, self.OC, str(self.dtype),
+               None if self.bias is None else str(self.bias.dtype), _post_op_key(self.post_ops))
+        comp = CACHE.get_or_create(key, lambda: self._create(N))
+        l = L.lib()
+        tensors = {l.DNNL_ARG_SRC: src, l.DNNL_ARG_WEIGHTS: self._packed.for_md(comp.query_md("weights")),
+                   l.DNNL_ARG_DST: out}
+        if self.bias is not None:
+            tensors[l.DNNL_ARG_BIAS] = self.bias
+        comp.run(tensors)
+        return out
+
+
+def _pair(v, name) -> tuple[int, int]:
+    if isinstance(v, int):
+        return (v, v)
+    v = tuple(int(x) for x in v)
+    if len(v) != 2:
+        raise ValueError(f"{name} must be an int or a pair, got {v}")
+    return v
+
+
+class Conv2d:
+    """2-D convolution like ``F.conv2d`` (groups, stride, padding, dilation, post-ops), weights
+    (O, I/groups, kH, kW) packed once. Inputs in NCHW or channels-last; the output takes the
+    input's memory format (channels-last in, channels-last out)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, stride=1, padding=0,
+                 dilation=1, groups: int = 1, post_ops: Sequence[PostOp | str] = ()):
+        _check_tensor(weight, "weight", FLOAT_DTYPES, 4)
+        if groups < 1 or weight.shape[0] % groups:
+            raise ValueError(f"groups={groups} must divide the {weight.shape[0]} output channels")
+        self.O, self.Ig, self.kh, self.kw = weight.shape
+        self.groups = groups
+        self.stride, self.padding, self.dilation = _pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation")
+        if min(self.stride) < 1 or min(self.dilation) < 1 or min(self.padding) < 0:
+            raise ValueError(f"bad conv geometry: stride {self.stride}, padding {self.padding}, dilation {self.dilation}")
+        self.dtype = weight.dtype
+        if bias is not None:
+            _check_tensor(bias, "bias", FLOAT_DTYPES, 1)
+            if bias.numel() != self.O:
+                raise ValueError(f"bias has {bias.numel()} elements; the conv has {self.O} output channels")
+            bias = bias.contiguous()
+        self.bias = bias
+        self.post_ops = _post_ops(post_ops)
+        w = weight.contiguous()
+        if groups > 1:
+            w = w.view(groups, self.O // groups, self.Ig, self.kh, self.kw)
+        self._wshape = tuple(w.shape)
+        self._packed = _PackedWeights(w)
+
+    def out_hw(self, h: int, w: int) -> tuple[int, int]:
+        oh = (h + 2 * self.padding[0] - self.dilation[0] * (self.kh - 1) - 1) // self.stride[0] + 1
+        ow = (w + 2 * self.padding[1] - self.dilation[1] * (self.kw - 1) - 1) // self.stride[1] + 1
+        return oh, ow
+
+    def _create(self, src_shape, src_strides, dst_shape, dst_strides) -> Compiled:
+        l, f = L.lib(), L.ffi()
+        src_md = MemoryDesc.strided(src_shape, self.dtype, src_strides)
+        w_md = MemoryDesc.any(self._wshape, self.dtype)
+        b_md = None if self.bias is None else MemoryDesc.strided((self.O,), self.bias.dtype)
+        dst_md = MemoryDesc.strided(dst_shape, self.dtype, dst_strides)
+        attr = _Attr(self.post_ops, dst_ndims=4)
+        H, W = src_shape[2], src_shape[3]
+        oh, ow = dst_shape[2], dst_shape[3]
+        pad_r = [(oh - 1) * self.stride[0] + self.dilation[0] * (self.kh - 1) + 1 - H - self.padding[0],
+                 (ow - 1) * self.stride[1] + self.dilation[1] * (self.kw - 1) + 1 - W - self.padding[1]]
+        pd = f.new("dnnl_primitive_desc_t *")
+        what = f"convolution {src_shape}->{dst_shape} k{self.kh}x{self.kw} g{self.groups} {self.dtype}"
+        dims = lambda v: f.new("dnnl_dims_t", list(v))  # noqa: E731
+        L.check(l.dnnl_convolution_forward_primitive_desc_create(
+            pd, L.engine(), l.dnnl_forward_inference, l.dnnl_convolution_direct, src_md.handle, w_md.handle,
+            b_md.handle if b_md else f.NULL, dst_md.handle, dims(self.stride),
+            dims([d - 1 for d in self.dilation]), dims(self.padding), dims(pad_r), attr.handle),
+            "dnnl_convolution_forward_primitive_desc_create", what)
+        comp = Compiled(pd[0], what)
+        args = [(l.DNNL_ARG_SRC, src_md), (l.DNNL_ARG_WEIGHTS, comp.query_md("weights")), (l.DNNL_ARG_DST, dst_md)]
+        if b_md is not None:
+            args.append((l.DNNL_ARG_BIAS, b_md))
+        comp.bind(args + attr.binary_args)
+        comp._attr = attr
+        return comp
+
+    def __call__(self, src: torch.Tensor, *, out: torch.Tensor | None = None,
+                 binary: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        _check_tensor(src, "src", (self.dtype,), 4)
+        N, C, H, W = src.shape
+        if C != self.Ig * self.groups:
+            raise ValueError(f"src has {C} channels; the conv takes {self.Ig * self.groups}")
+        oh, ow = self.out_hw(H, W)
+        if oh < 1 or ow < 1:
+            raise ValueError(f"input {H}x{W} is too small for kernel {self.kh}x{self.kw} with this padding/dilation")
+        cl = src.is_contiguous(memory_format=torch.channels_last) and not src.is_contiguous()
+        fmt = torch.channels_last if cl else torch.contiguous_format
+        if not src.is_contiguous(memory_format=fmt):
+            src = src.contiguous()
+        if out is None:
+            if any(p.kind == "sum" for p in self.post_ops):
+                raise ValueError("a 'sum' post-op accumulates into out=: pass the tensor to add to")
+            out = torch.empty(N, self.O, oh, ow, dtype=self.dtype, memory_format=fmt)
+        elif tuple(out.shape) != (N, self.O, oh, ow) or out.dtype != self.dtype or not out.is_contiguous(memory_format=fmt):
+            raise ValueError(f"out must be a {self.dtype} tensor of shape {(N, self.O, oh, ow)} in the input's memory format")
+        if out.numel() == 0:
+            return out
+        key = ("conv2d", tuple(src.shape), src.stride(), tuple(out.shape), out.stride(), self._wshape, self.stride,
+               self.padding, self.dilation, str(self.dtype), None if self.bias is None else str(self.bias.dtype),
+               _post_op_key(self.post_ops))
+        comp = CACHE.get_or_create(key, lambda: self._create(tuple(src.shape), src.stride(), tuple(out.shape), out.stride()))
+        l = L.lib()
+        tensors = {l.DNNL_ARG_SRC: src, l.DNNL_ARG_WEIGHTS: self._packed.for_md(comp.query_md("weights")),
+                   l.DNNL_ARG_DST: out}
+        if self.bias is not None:
+            tensors[l.DNNL_ARG_BIAS] = self.bias
+        bargs = comp._attr.binary_args
+        if len(binary) != len(bargs):
+            raise ValueError(f"this conv has {len(bargs)} binary post-op(s); got {len(binary)} tensor(s)")
+        keep = []
+        for (arg, md), t in zip(bargs, binary):
+            t = t.to(md.dtype)
+            if tuple(t.shape) == tuple(out.shape):
+                t = t.contiguous(memory_format=fmt)
+                # binary md was declared plain; only plain/channels-last same-shape operands are exact
+            keep.append(t.contiguous())
+            tensors[arg] = keep[-1]
+        comp.run(tensors)
+        return out
+
+
+def reorder_into(src: torch.Tensor, src_md: MemoryDesc, dst: torch.Tensor, dst_md: MemoryDesc) -> None:
+    """Copy ``src`` (described by ``src_md``) into ``dst``'s buffer in layout ``dst_md``."""
+    l, f = L.lib(), L.ffi()
+    pd = f.new("dnnl_primitive_desc_t *")
+    L.check(l.dnnl_reorder_primitive_desc_create(pd, src_md.handle, L.engine(), dst_md.handle, L.engine(), f.NULL),
+            "dnnl_reorder_primitive_desc_create", f"{src_md} -> {dst_md}")
+    comp = Compiled(pd[0], "reorder")
+    sm = memory(src_md, src)
+    dm = memory(dst_md, dst)
+    args = f.new("dnnl_exec_arg_t[]", 2)
+    args[0].arg, args[0].memory = l.DNNL_ARG_FROM, sm
+    args[1].arg, args[1].memory = l.DNNL_ARG_TO, dm
+    L.check(l.dnnl_primitive_execute(comp.prim, L.stream(), 2, args), "dnnl_primitive_execute", "reorder")
+    L.check(l.dnnl_stream_wait(L.stream()), "dnnl_stream_wait", "reorder")
+
+
+def reorder(src: torch.Tensor, dtype: torch.dtype | None = None, memory_format=torch.contiguous_format) -> torch.Tensor:
+    """A reorder primitive as a torch op: copy ``src`` into a new tensor of ``dtype`` (conversion
+    included, e.g. fp32 -> bf16) in ``memory_format``."""
+    _check_tensor(src, "src", tuple(TORCH_TO_DNNL))
+    dtype = dtype or src.dtype
+    dst = torch.empty(src.shape, dtype=dtype, memory_format=memory_format) if src.dim() == 4 else torch.empty(src.shape, dtype=dtype)
+    if src.numel():
+        reorder_into(src, MemoryDesc.of(src), dst, MemoryDesc.of(dst))
+    return dst

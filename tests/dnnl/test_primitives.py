@@ -1,0 +1,189 @@
+"""The oneDNN primitive binding against torch: fp32 to 1e-5 relative, int8 exact, bf16 within
+bf16 rounding (on CPUs that have bf16 kernels; elsewhere the binding must say unimplemented)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpu_opt import dnnl
+from cpu_opt.dnnl import primitives as P
+from cpu_opt.errors import DnnlError
+
+from cpu_opt import hw
+
+
+def bf16_native() -> bool:
+    info = hw.detect()
+    return info.has("avx512_bf16") or info.has("amx_bf16")
+
+
+def vnni() -> bool:
+    info = hw.detect()
+    return info.has("avx512_vnni") or info.has("avx_vnni") or info.has("amx_int8")
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def test_version_and_library():
+    v = dnnl.version()
+    assert v.startswith("3."), v
+    assert dnnl.version_info()["cpu_runtime"] == "omp"
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 7, 5), (64, 256, 128), (33, 384, 640)])
+@pytest.mark.parametrize("post", [(), ("relu",), ("gelu_erf",), ("gelu_tanh",), ("silu",), ("sigmoid",), ("tanh",), ("hardswish",)])
+def test_matmul_fp32_bias_postops(M, K, N, post):
+    a, w, b = torch.randn(M, K), torch.randn(K, N), torch.randn(N)
+    y = P.Matmul(w, b, post)(a)
+    ref = a.double() @ w.double() + b.double()
+    acts = {"relu": F.relu, "gelu_erf": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+            "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "hardswish": F.hardswish}
+    for p in post:
+        ref = acts[p](ref)
+    # the matmul itself to 1e-5; oneDNN's vectorised transcendental post-ops add up to ~5e-5
+    assert rel(y, ref) < (1e-5 if not post or post == ("relu",) else 1e-4)
+
+
+def test_matmul_from_linear_3d_input():
+    lin = torch.nn.Linear(96, 40)
+    x = torch.randn(3, 5, 96)
+    y = P.Matmul.from_linear(lin.weight.detach(), lin.bias.detach())(x)
+    assert y.shape == (3, 5, 40)
+    assert rel(y, lin(x).detach()) < 1e-5
+
+
+def test_matmul_sum_and_binary_add_postops():
+    a, w = torch.randn(16, 32), torch.randn(32, 24)
+    res = torch.randn(16, 24)
+    out = res.clone()
+    P.Matmul(w, post_ops=[P.PostOp("sum"), "relu"])(a, out=out)
+    assert rel(out, torch.relu(a @ w + res)) < 1e-5
+    row = torch.randn(24)
+    y = P.Matmul(w, post_ops=[P.PostOp("add", shape=(1, 24))])(a, binary=[row])
+    assert rel(y, a @ w + row) < 1e-5
+
+
+def test_functional_matmul_batched_and_transposed():
+    a, b = torch.randn(2, 3, 8, 16), torch.randn(2, 3, 16, 4)
+    assert rel(P.matmul(a, b), a @ b) < 1e-5
+    bt = torch.randn(2, 3, 4, 16).transpose(-1, -2)  # strided view, no copy
+    assert rel(P.matmul(a, bt), a @ bt) < 1e-5
+
+
+def test_int8_u8s8_exact_integer_reference():
+    # Without VNNI oneDNN's u8 x s8 kernels add pairs of products in int16 with saturation,
+    # so exactness holds for 7-bit activations there (as torch's x86 reduce_range qconfig uses).
+    hi = 256 if vnni() else 128
+    a = torch.randint(0, hi, (37, 200), dtype=torch.uint8)
+    w = torch.randint(-128, 128, (200, 65), dtype=torch.int8)
+    y = P.Matmul(w, dst_dtype=torch.int32)(a)
+    assert y.dtype == torch.int32
+    assert torch.equal(y, a.to(torch.int32) @ w.to(torch.int32))
+
+
+def test_int8_scales_zero_point_relu():
+    a = torch.randint(0, 128, (20, 64), dtype=torch.uint8)
+    w = torch.randint(-128, 128, (64, 30), dtype=torch.int8)
+    ws = torch.rand(30) * 0.02 + 0.001
+    y = P.Matmul(w, src_scale=0.05, weight_scales=ws, src_zero_point=64, post_ops=["relu"])(a)
+    ref = torch.relu(((a.double() - 64) * 0.05) @ (w.double() * ws.double()))
+    assert y.dtype == torch.float32
+    assert rel(y, ref) < 1e-5
+
+
+def test_bf16_matmul():
+    a, w = torch.randn(64, 256).bfloat16(), torch.randn(256, 96).bfloat16()
+    if not bf16_native():
+        # oneDNN 3.2 has no bf16 matmul below avx512_core: the binding must say so, not crash.
+        with pytest.raises(DnnlError, match="dnnl_unimplemented"):
+            P.Matmul(w)(a)
+        return
+    y = P.Matmul(w)(a)
+    ref = (a.float() @ w.float())
+    # both round the fp32 accumulation once to bf16: within one bf16 ulp (2^-8 relative)
+    assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).all()
+    assert rel(y, torch.matmul(a, w)) < 2 ** -7
+
+
+def test_inner_product():
+    lin = torch.nn.Linear(50, 20)
+    x = torch.randn(9, 50)
+    y = P.InnerProduct(lin.weight.detach(), lin.bias.detach(), ["relu"])(x)
+    assert rel(y, torch.relu(lin(x)).detach()) < 1e-5
+
+
+@pytest.mark.parametrize("groups,stride,padding,dilation", [(1, 1, 1, 1), (2, 2, 1, 1), (16, 1, 1, 1), (1, 2, 0, 2)])
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_conv2d(groups, stride, padding, dilation, channels_last):
+    conv = torch.nn.Conv2d(16, 32, 3, stride=stride, padding=padding, dilation=dilation, groups=groups).eval()
+    x = torch.randn(2, 16, 13, 11)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    c = P.Conv2d(conv.weight.detach(), conv.bias.detach(), stride=stride, padding=padding, dilation=dilation,
+                 groups=groups, post_ops=["relu"])
+    y = c(x)
+    with torch.no_grad():
+        ref = torch.relu(conv(x))
+    assert y.shape == ref.shape
+    assert y.is_contiguous(memory_format=torch.channels_last) == channels_last
+    assert rel(y, ref) < 1e-5
+
+
+def test_conv2d_residual_sum_relu():
+    conv = torch.nn.Conv2d(8, 8, 3, padding=1).eval()
+    x = torch.randn(1, 8, 10, 10).contiguous(memory_format=torch.channels_last)
+    res = torch.randn(1, 8, 10, 10).contiguous(memory_format=torch.channels_last)
+    out = res.clone()
+    P.Conv2d(conv.weight.detach(), conv.bias.detach(), padding=1, post_ops=[P.PostOp("sum"), "relu"])(x, out=out)
+    with torch.no_grad():
+        assert rel(out, torch.relu(conv(x) + res)) < 1e-5
+
+
+def test_reorder_dtype_and_layout():
+    x = torch.randn(2, 3, 4, 5)
+    y = P.reorder(x, torch.float32, torch.channels_last)
+    assert y.is_contiguous(memory_format=torch.channels_last) and torch.equal(y, x)
+    assert torch.equal(P.reorder(x, torch.bfloat16), x.bfloat16())
+
+
+# ------------------------------------------------------------------ bad input: clear errors, no crash
+
+def test_bad_inputs_raise():
+    w = torch.randn(8, 4)
+    mm = P.Matmul(w)
+    with pytest.raises(ValueError, match="K=8"):
+        mm(torch.randn(3, 7))
+    with pytest.raises(TypeError, match="dtype"):
+        mm(torch.randn(3, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        mm(torch.randn(8, 3).t())
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        mm([1, 2, 3])
+    with pytest.raises(TypeError):
+        P.Matmul(torch.randn(8, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="bias"):
+        P.Matmul(w, torch.randn(5))
+    with pytest.raises(ValueError, match="inner dimensions"):
+        P.matmul(torch.randn(2, 3), torch.randn(4, 5))
+    with pytest.raises(TypeError, match="equal dtypes"):
+        P.matmul(torch.randn(2, 3), torch.randn(3, 5).bfloat16())
+    with pytest.raises(ValueError, match="unknown post-op"):
+        P.PostOp("swishy")
+    with pytest.raises(ValueError, match="channels"):
+        P.Conv2d(torch.randn(4, 3, 3, 3))(torch.randn(1, 5, 8, 8))
+    with pytest.raises(ValueError, match="groups"):
+        P.Conv2d(torch.randn(4, 3, 3, 3), groups=3)
+    with pytest.raises(ValueError, match="too small"):
+        P.Conv2d(torch.randn(4, 3, 5, 5))(torch.randn(1, 3, 2, 2))
+    with pytest.raises(ValueError, match="out="):
+        P.Matmul(w, post_ops=[P.PostOp("sum")])(torch.randn(2, 8))
+
+
+def test_oneDNN_status_becomes_named_exception():
+    # an impossible memory descriptor: oneDNN answers dnnl_invalid_arguments, and we say so
+    from cpu_opt.dnnl.memory import MemoryDesc
+
+    with pytest.raises(DnnlError, match="dnnl_invalid_arguments") as e:
+        MemoryDesc.strided((2, 3), torch.float32, strides=(-1, 1))
+    assert e.value.status == "dnnl_invalid_arguments"

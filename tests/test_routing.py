@@ -1,0 +1,64 @@
+"""The routing table on fixture CPUs: routes follow features and the ISA cap."""
+from pathlib import Path
+
+import pytest
+
+from cpu_opt import hw, routing
+
+FIX = Path(__file__).parent / "fixtures" / "cpuinfo"
+
+
+def info(name, cap=None):
+    return hw.build_info((FIX / f"{name}.txt").read_text(), cap=cap)
+
+
+def test_zen5_routes():
+    z5 = info("amd_zen5")
+    assert routing.route("gemm", "bf16", z5).backend == "onednn"
+    assert routing.route("gemm", "fp32", z5).backend == "onednn"
+    assert routing.route("gemm", "int8", z5).backend == "onednn"
+    assert routing.route("attention", "bf16", z5).backend == "bf16_matmul_softmax"
+    assert routing.route("gnn", "fp32", z5).backend == "native_avx512"
+    assert routing.auto_dtype(z5) == "bf16"
+
+
+def test_zen5_capped_to_avx2_changes_routes():
+    z5 = info("amd_zen5", cap="avx2")
+    assert routing.route("gemm", "bf16", z5).backend == "torch"
+    assert routing.route("gemm", "int8", z5).backend == "fbgemm"
+    assert routing.route("attention", "bf16", z5).backend == "torch_flash"
+    assert routing.route("gnn", "fp32", z5).backend == "native_avx2"
+    assert routing.auto_dtype(z5) == "fp32"
+
+
+def test_amx_takes_flash_attention():
+    spr = info("intel_sapphirerapids")
+    assert routing.route("attention", "bf16", spr).backend == "torch_flash"
+    assert routing.route("gemm", "bf16", spr).backend == "onednn"
+
+
+def test_zen3_has_no_bf16_onednn():
+    z3 = info("amd_zen3")
+    assert routing.route("gemm", "bf16", z3).backend == "torch"
+    assert routing.route("conv", "bf16", z3).backend == "torch"
+    assert routing.auto_dtype(z3) == "fp32"
+
+
+@pytest.mark.parametrize("name", ["graviton2_n1", "graviton3_v1", "graviton4_v2"])
+def test_aarch64_never_routes_to_own_onednn(name):
+    g = info(name)
+    table = routing.routes(g)
+    assert all(r["backend"] != "onednn" for per in table.values() for r in per.values())
+    want = "acl" if "bf16" in g.isa else "torch"
+    assert routing.route("gemm", "bf16", g).backend == want
+
+
+def test_every_rule_cites_why():
+    assert all(len(r.why) > 10 for r in routing.RULES)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="work kind"):
+        routing.route("fft", "fp32")
+    with pytest.raises(ValueError, match="dtype"):
+        routing.route("gemm", "fp8")
