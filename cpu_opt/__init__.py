@@ -1,2 +1,32 @@
-"""cpu_opt: make PyTorch models run fast on CPUs without rewriting them."""
+"""cpu_opt: make PyTorch models run fast on CPUs without rewriting them.
+
+    import cpu_opt
+    fast = cpu_opt.optimize(model, example_input)        # dtype="auto": bf16 where the CPU has it
+    fast = torch.compile(model, backend="cpu_opt")       # the same lowering, as a dynamo backend
+
+``python -m cpu_opt info`` prints what was detected and where each kind of work is routed.
+"""
 __version__ = "0.1.0"
+
+
+def optimize(model, example_inputs, **kwargs):
+    """See :func:`cpu_opt.pipeline.optimize`."""
+    from .pipeline import optimize as _optimize
+
+    return _optimize(model, example_inputs, **kwargs)
+
+
+def _register_dynamo_backend() -> None:
+    try:
+        from torch._dynamo import register_backend
+    except Exception:  # pragma: no cover - torch without dynamo
+        return
+    from .backend import cpu_opt_backend
+
+    try:
+        register_backend(name="cpu_opt")(cpu_opt_backend)
+    except Exception:  # already registered (re-import)
+        pass
+
+
+_register_dynamo_backend()

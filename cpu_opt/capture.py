@@ -1,0 +1,140 @@
+"""Capture: a model and example inputs -> an ATen-level FX graph with shapes on every node.
+
+``torch.export.export(..., strict=False)`` first (training IR: ``aten.linear``, ``aten.conv2d``,
+``aten.layer_norm``, ``aten.scaled_dot_product_attention`` stay whole, which is what the lowering
+wants); where export fails, ``torch.fx.symbolic_trace`` plus shape propagation, and the report
+says so; where both fail, :class:`CaptureError` names the op or construct export complained about.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from .errors import CpuOptError
+
+
+class CaptureError(CpuOptError):
+    """Neither torch.export nor FX tracing could capture the model."""
+
+
+@dataclass
+class Captured:
+    gm: torch.fx.GraphModule        # flat positional tensor inputs -> flat outputs
+    in_spec: object                 # pytree spec of (args, kwargs)
+    out_spec: object                # pytree spec of the model's output
+    method: str                     # "torch.export" or "fx.symbolic_trace"
+    notes: list = field(default_factory=list)
+    n_inputs: int = 0
+
+
+def flatten_inputs(example_inputs) -> tuple[tuple, dict]:
+    """Normalise ``example_inputs`` (a tensor, a tuple/list, or a dict of kwargs) to (args, kwargs)."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise TypeError("example_inputs must be a tensor, a tuple of inputs, or a dict of keyword arguments; "
+                    f"got {type(example_inputs).__name__}")
+
+
+def _explain(e: Exception) -> str:
+    msg = str(e).strip().splitlines()
+    head = msg[0] if msg else type(e).__name__
+    m = re.search(r"(aten\.\w+[\.\w]*|torch\.\w+[\.\w]*|Unsupported: [^\n]+)", str(e))
+    return f"{type(e).__name__}: {head}" + (f" (at {m.group(1)})" if m and m.group(1) not in head else "")
+
+
+def _flat_module(gm: torch.fx.GraphModule, in_spec, out_spec) -> torch.fx.GraphModule:
+    """Turn export's unlifted module (pytree-calling convention) into a flat one:
+    placeholders are the flattened tensor inputs, the output is the flat list of outputs."""
+    g = gm.graph
+    for node in g.nodes:
+        if node.op == "output":
+            out = node.args[0]
+            flat, _ = pytree.tree_flatten(out)
+            node.args = (tuple(flat),)
+    g._codegen = torch.fx.graph.CodeGen()  # plain positional calling convention
+    gm._forward_pre_hooks.clear()  # export's input-structure check is for the pytree convention
+    gm._forward_hooks.clear()
+    gm.recompile()
+    return gm
+
+
+def capture(model: torch.nn.Module, example_inputs, *, dynamic_shapes=None) -> Captured:
+    args, kwargs = flatten_inputs(example_inputs)
+    flat_in, in_spec = pytree.tree_flatten((args, kwargs))
+    if not all(isinstance(t, torch.Tensor) for t in flat_in):
+        bad = [type(t).__name__ for t in flat_in if not isinstance(t, torch.Tensor)]
+        raise TypeError(f"example inputs must be tensors (in tuples/dicts); got {bad}")
+    notes = []
+    with torch.no_grad():
+        out = model(*args, **kwargs)
+    flat_out, out_spec = pytree.tree_flatten(out)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+        gm = ep.module()
+        gm = _flat_module(gm, in_spec, out_spec)
+        method = "torch.export"
+    except Exception as e_export:  # noqa: BLE001 - we report and try the next method
+        notes.append(f"torch.export failed ({_explain(e_export)}); used torch.fx.symbolic_trace")
+        try:
+            gm = _fx_capture(model, args, kwargs, flat_in)
+            method = "fx.symbolic_trace"
+        except Exception as e_fx:  # noqa: BLE001
+            raise CaptureError(f"cannot capture {type(model).__name__}: torch.export: {_explain(e_export)}; "
+                               f"FX symbolic_trace: {_explain(e_fx)}") from e_fx
+    _propagate_shapes(gm, flat_in)
+    return Captured(gm, in_spec, out_spec, method, notes, len(flat_in))
+
+
+def _fx_capture(model, args, kwargs, flat_in) -> torch.fx.GraphModule:
+    """symbolic_trace at module level, then make it flat-positional with ATen-free torch calls."""
+    if kwargs:
+        names = list(kwargs)
+
+        class _Wrap(torch.nn.Module):
+            def __init__(self, m):
+                super().__init__()
+                self.m = m
+
+            def forward(self, *flat):
+                a = flat[:len(args)]
+                kw = dict(zip(names, flat[len(args):]))
+                return self.m(*a, **kw)
+
+        model = _Wrap(model)
+    gm = torch.fx.symbolic_trace(model)
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            flat, _ = pytree.tree_flatten(node.args[0])
+            node.args = (tuple(flat),)
+    gm.recompile()
+    return gm
+
+
+def _propagate_shapes(gm: torch.fx.GraphModule, flat_in) -> None:
+    """Run the graph once on the real example inputs, recording a real tensor's metadata in
+    ``node.meta['val']`` (shapes, strides, dtypes) where export left none or fake ones."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    with torch.no_grad():
+        interp = _MetaRecorder(gm)
+        interp.run(*flat_in)
+
+
+class _MetaRecorder(torch.fx.Interpreter):
+    def run_node(self, n):
+        out = super().run_node(n)
+        n.meta["val"] = pytree.tree_map(
+            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            if isinstance(t, torch.Tensor) else t, out)
+        return out

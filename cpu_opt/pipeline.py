@@ -1,0 +1,334 @@
+"""``cpu_opt.optimize(model, example_inputs)``: capture, passes, oneDNN Graph lowering, runtime.
+
+See shared DESIGN.md "How data flows through optimize". The returned :class:`OptimizedModule`
+takes the same inputs as the model and returns the same structure; ``.report()`` says what was
+fused, what fell back to torch and why, the route of each partition, and the dtype.
+"""
+from __future__ import annotations
+
+import copy
+import operator
+import sys
+import time
+import warnings
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from . import hw, passes, routing
+from .capture import Captured, CaptureError, _propagate_shapes, capture, flatten_inputs
+from .errors import CpuOptError
+
+aten = torch.ops.aten
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Progress:
+    """A one-line progress indicator on stderr (only when ``verbose`` or a terminal)."""
+
+    def __init__(self, enabled: bool, total: int, label: str):
+        self.enabled, self.total, self.label, self.i = enabled, total, label, 0
+        self.t0 = time.perf_counter()
+
+    def step(self, what: str):
+        self.i += 1
+        if self.enabled:
+            bar = "#" * self.i + "." * (self.total - self.i)
+            print(f"\r{self.label} [{bar}] {what:<28} {time.perf_counter() - self.t0:5.1f}s", end="",
+                  file=sys.stderr, flush=True)
+
+    def done(self):
+        if self.enabled:
+            print(file=sys.stderr, flush=True)
+
+
+def _resolve_dtype(dtype: str) -> str:
+    if dtype == "auto":
+        return routing.auto_dtype()
+    if dtype == "int8":
+        raise NotImplementedError("dtype='int8' arrives with the quantization work (cpu_opt.quant); "
+                                  "use 'auto', 'fp32' or 'bf16'")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto', 'fp32' or 'bf16', got {dtype!r}")
+    return dtype
+
+
+def _signature(flat) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (type(t), t) for t in flat)
+
+
+def _cast_inputs_outputs(gm: torch.fx.GraphModule, dtype: torch.dtype, out_dtypes: list) -> None:
+    """Cast floating graph inputs to ``dtype`` after the placeholders and outputs back to the
+    model's own dtypes."""
+    g = gm.graph
+    for n in list(g.nodes):
+        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point():
+            with g.inserting_after(n):
+                c = g.call_function(aten._to_copy.default, (n,), {"dtype": dtype})
+            n.replace_all_uses_with(c, delete_user_cb=lambda u: u is not c)
+    out = next(n for n in g.nodes if n.op == "output")
+    flat = list(out.args[0])
+    with g.inserting_before(out):
+        for i, a in enumerate(flat):
+            if isinstance(a, torch.fx.Node) and i < len(out_dtypes) and out_dtypes[i] is not None \
+                    and out_dtypes[i].is_floating_point and out_dtypes[i] != dtype:
+                flat[i] = g.call_function(aten._to_copy.default, (a,), {"dtype": out_dtypes[i]})
+    out.args = (tuple(flat),)
+    gm.recompile()
+
+
+def _channels_last_inputs(gm: torch.fx.GraphModule) -> bool:
+    """For convolution networks: make 4-D float inputs channels-last at the graph input."""
+    if not any(n.op == "call_function" and n.target == aten.conv2d.default for n in gm.graph.nodes):
+        return False
+    g = gm.graph
+    for n in list(g.nodes):
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_floating_point():
+            with g.inserting_after(n):
+                c = g.call_function(aten.clone.default, (n,), {"memory_format": torch.channels_last})
+            n.replace_all_uses_with(c, delete_user_cb=lambda u: u is not c)
+    gm.recompile()
+    return True
+
+
+def _route_attention(gm: torch.fx.GraphModule, dtype: str) -> list[str]:
+    r = routing.route("attention", dtype)
+    if r.backend != "bf16_matmul_softmax":
+        return []
+    from .attention import bf16_matmul_softmax_attention
+
+    n_done = 0
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target == aten.scaled_dot_product_attention.default:
+            n.target = bf16_matmul_softmax_attention
+            n_done += 1
+    gm.recompile()
+    return [f"{n_done} attention op(s) routed to bf16 matmul-softmax-matmul"] if n_done else []
+
+
+class Plan:
+    """Everything compiled for one input signature."""
+
+    def __init__(self, program, steps, lowered, log, seconds):
+        self.program = program
+        self.steps = steps
+        self.lowered = lowered
+        self.log = log
+        self.seconds = seconds
+
+
+def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbose: bool, progress: Progress,
+                use_onednn: bool = True) -> Plan:
+    from .lowering import lower
+    from .runtime import build_program
+
+    t0 = time.perf_counter()
+    log = passes.run_passes(gm)
+    progress.step("passes")
+    if dtype == "bf16":
+        log += passes.cast_params(gm, torch.bfloat16)
+        _propagate_shapes(gm, flat_in)
+        _cast_inputs_outputs(gm, torch.bfloat16, out_dtypes)
+        log += _route_attention(gm, dtype)
+    cl = _channels_last_inputs(gm)
+    if cl:
+        log.append("convolution network: inputs and 4-D activations in channels-last")
+    gm.recompile()
+    _propagate_shapes(gm, flat_in)
+    progress.step("shapes")
+    lowered = None
+    if use_onednn:
+        try:
+            from . import dnnl
+
+            dnnl.engine()
+        except Exception as e:  # noqa: BLE001 - no binding here: everything runs in torch
+            log.append(f"oneDNN unavailable ({e}); the graph runs in torch")
+        else:
+            try:
+                lowered = lower(gm, dtype)
+            except Exception as e:  # noqa: BLE001 - reported, and the graph still runs
+                log.append(f"lowering to oneDNN Graph failed ({type(e).__name__}: {e}); the graph runs in torch")
+    progress.step("lower + partition")
+    if lowered is not None:
+        program, steps = build_program(gm, lowered, channels_last=cl)
+    else:
+        program, steps = gm, []
+    with torch.no_grad():
+        program(*flat_in)  # compile every partition for these shapes, allocate buffers
+    progress.step("compile partitions")
+    return Plan(program, steps, lowered, log, time.perf_counter() - t0)
+
+
+class OptimizedModule(torch.nn.Module):
+    """What :func:`optimize` returns: call it like the original model."""
+
+    def __init__(self, model, captured: Captured, plan: Plan, dtype: str, flat_in, options: dict):
+        super().__init__()
+        self._model = [model]  # not a submodule: its parameters are not ours
+        self._captured = captured
+        self._plans = {_signature(flat_in): plan}
+        self._base_plan = plan
+        self.dtype = dtype
+        self._options = options
+        self._validation = None
+        self._lock = __import__("threading").Lock()
+
+    # ------------------------------------------------------------------ calling
+    def forward(self, *args, **kwargs):
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self._captured.in_spec:
+            raise TypeError(f"inputs have structure {spec}, but the model was optimized for "
+                            f"{self._captured.in_spec}; pass the same arguments as the example inputs")
+        for i, t in enumerate(flat):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"input {i} is a {type(t).__name__}; expected a tensor")
+        sig = _signature(flat)
+        plan = self._plans.get(sig)
+        if plan is None:
+            plan = self._new_shape(args, kwargs, flat, sig)
+        with torch.no_grad():
+            out = plan.program(*flat)
+        return pytree.tree_unflatten(list(out), self._captured.out_spec)
+
+    def _new_shape(self, args, kwargs, flat, sig) -> Plan:
+        base = self._plans[next(iter(self._plans))]
+        old = next(iter(self._plans))
+        for i, ((shape, dt), (oshape, odt)) in enumerate(zip(sig, old)):
+            if len(shape) != len(oshape):
+                raise ValueError(f"input {i} has rank {len(shape)} (shape {shape}); the model was optimized for "
+                                 f"rank {len(oshape)} (shape {oshape})")
+            if dt != odt:
+                raise TypeError(f"input {i} has dtype {dt}; the model was optimized for {odt}")
+        with self._lock:
+            if sig in self._plans:
+                return self._plans[sig]
+            model = self._model[0]
+            try:
+                cap = capture(model, args if not kwargs else kwargs, dynamic_shapes=None) if not kwargs or args \
+                    else capture(model, kwargs)
+            except CaptureError as e:
+                raise CpuOptError(f"new input shapes {[s for s, _ in sig]}: re-capture failed: {e}") from e
+            plan = _build_plan(cap.gm, flat, self.dtype, self._options["out_dtypes"], False, Progress(False, 4, ""),
+                               use_onednn=self._options["use_onednn"])
+            self._plans[sig] = plan
+            return plan
+
+    # ------------------------------------------------------------------ reporting
+    def report(self) -> dict:
+        plan = self._base_plan
+        low = plan.lowered
+        parts, fallbacks, attention, views = [], [], [], 0
+        if low is not None:
+            for step in plan.steps:
+                p, nodes = low.partitions[step.index]
+                parts.append({"id": step.index, "ops": step.op_kinds,
+                              "aten": [str(n.target) for n in nodes], "route": "onednn",
+                              "impl": "oneDNN Graph compiled partition"})
+            for n, why in low.fallbacks.items():
+                fallbacks.append({"node": n.name, "op": str(n.target), "reason": why})
+            attention = [{"node": n.name, "route": r.backend, "why": r.why} for n, r in low.attention]
+            views = len(low.views)
+        return {
+            "dtype": self.dtype,
+            "capture": self._captured.method,
+            "capture_notes": list(self._captured.notes),
+            "passes": list(plan.log),
+            "num_partitions": len(parts),
+            "partitions": parts,
+            "fallbacks": fallbacks,
+            "attention": attention,
+            "views_in_torch": views,
+            "shapes_compiled": len(self._plans),
+            "optimize_seconds": round(plan.seconds, 3),
+            "validation": self._validation,
+            "routes": {w: routing.route(w, self.dtype).backend for w in ("gemm", "conv", "attention")},
+        }
+
+    def print_report(self) -> None:
+        r = self.report()
+        print(f"cpu_opt: {r['num_partitions']} oneDNN partition(s), dtype {r['dtype']}, captured with {r['capture']}, "
+              f"optimized in {r['optimize_seconds']} s")
+        for note in r["capture_notes"] + r["passes"]:
+            print(f"  - {note}")
+        for p in r["partitions"]:
+            print(f"  partition {p['id']}: {' + '.join(p['ops'])}")
+        for a in r["attention"]:
+            print(f"  attention {a['node']}: {a['route']}")
+        if r["fallbacks"]:
+            print(f"  {len(r['fallbacks'])} op(s) ran in torch:")
+            for f in r["fallbacks"]:
+                print(f"    {f['node']} ({f['op']}): {f['reason']}")
+        if r["validation"]:
+            print(f"  validation against eager: {r['validation']}")
+
+
+def _compare(out, ref, dtype: str) -> dict:
+    a = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    b = [t for t in pytree.tree_leaves(ref) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if len(a) != len(b) or not a:
+        return {"ok": len(a) == len(b), "outputs": len(a)}
+    rel = max(((x.double() - y.double()).abs().max() / y.double().abs().max().clamp_min(1e-12)).item()
+              for x, y in zip(a, b))
+    cos = min(torch.nn.functional.cosine_similarity(x.double().flatten(), y.double().flatten(), dim=0).item()
+              for x, y in zip(a, b))
+    ok = rel <= 1e-3 if dtype == "fp32" else cos >= 0.99
+    return {"ok": ok, "max_rel_err": rel, "min_cosine": cos}
+
+
+def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dynamic=None, autotune: bool = False,
+             verbose: bool = False, validate: bool = True) -> OptimizedModule:
+    """Optimize ``model`` for this CPU.
+
+    ``example_inputs``: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
+    ``dtype``: ``"auto"`` (bf16 where the CPU has native bf16 math, else fp32), ``"fp32"``,
+    ``"bf16"``. ``dynamic``: accepted for API compatibility; new shapes are compiled on first
+    use (the primitive cache makes repeated shapes free). ``autotune``: reserved (routes come
+    from the routing table). ``verbose``: print progress and the report. ``validate``: compare
+    with eager on the example inputs and fall back to torch for the whole graph if the result
+    differs (fp32: 1e-3 relative; bf16: cosine 0.99) — never silently wrong.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    dt = _resolve_dtype(dtype)
+    info = hw.detect()
+    if info.arch == "aarch64":
+        from . import graviton
+
+        return graviton.optimize_for_arm(model, example_inputs, dtype=dtype)
+    args, kwargs = flatten_inputs(example_inputs)
+    was_training = model.training
+    model.eval()
+    progress = Progress(verbose, 5, f"cpu_opt.optimize({type(model).__name__})")
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(model, example_inputs)
+    progress.step("capture")
+    flat_in = pytree.tree_leaves((args, kwargs))
+    with torch.no_grad():
+        ref = model(*args, **kwargs)
+    out_dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(ref)]
+    options = {"out_dtypes": out_dtypes, "use_onednn": True}
+    plan = _build_plan(captured.gm, flat_in, dt, out_dtypes, verbose, progress)
+    opt = OptimizedModule(model, captured, plan, dt, flat_in, options)
+    if validate:
+        out = opt(*args, **kwargs)
+        res = _compare(out, ref, dt)
+        if not res["ok"]:
+            # never silently wrong: rebuild without oneDNN and say so
+            cap2 = capture(model, example_inputs)
+            options["use_onednn"] = False
+            plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False)
+            opt = OptimizedModule(model, cap2, plan2, dt, flat_in, options)
+            res["fell_back"] = "outputs differed from eager; the whole graph now runs in torch"
+        opt._validation = res
+    progress.done()
+    opt._base_plan.seconds = time.perf_counter() - t0
+    if was_training:
+        model.train()
+    if verbose:
+        opt.print_report()
+    return opt

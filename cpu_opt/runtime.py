@@ -1,0 +1,175 @@
+"""The runtime: a straight-line FX program whose steps are compiled oneDNN partitions and torch
+calls.
+
+:func:`build_program` rewrites the captured graph: each supported partition's nodes are replaced
+by one call to a :class:`PartitionStep` (which returns the partition's outputs), everything else
+stays a torch call. ``GraphModule`` code generation then gives a plain Python function: per call
+there is no graph walking, only the steps. A :class:`PartitionStep` compiles for the strides of
+the tensors it first sees (cached by signature), binds torch storage to oneDNN tensors without
+copies, and reuses its output buffers across calls unless they can escape to the caller.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from .dnnl import graph as G
+from .lowering import VIEW_OPS, LoweredGraph
+
+aten = torch.ops.aten
+
+
+class PartitionStep:
+    """Callable for one oneDNN partition: ``step(*inputs) -> tuple(outputs)``."""
+
+    def __init__(self, index: int, partition: G.Partition, input_ids: list[int], output_ids: list[int],
+                 consts: dict, reuse_outputs: list[bool], channels_last_out: bool):
+        self.index = index
+        self.partition = partition
+        self.input_ids = input_ids      # lt ids, in the partition's input-port order (runtime args)
+        self.output_ids = output_ids
+        self.consts = consts            # position -> tensor for scalar constants
+        self.reuse = reuse_outputs
+        self.channels_last_out = channels_last_out
+        self._compiled: dict = {}
+        self._buffers: dict = {}
+        self.__name__ = f"onednn_partition_{index}"
+
+    def _compile(self, inputs):
+        ins = []
+        for lt, t in zip(self.partition.inputs, inputs):
+            ins.append(G.LogicalTensor(lt.id, tuple(t.shape), t.dtype, tuple(t.stride()), "strided", lt.constant))
+        outs = []
+        for lt in self.partition.outputs:
+            shape = lt.shape
+            if self.channels_last_out and len(shape) == 4:
+                strides = torch.empty(shape, device="meta").contiguous(memory_format=torch.channels_last).stride()
+            else:
+                strides = G._contiguous_strides(shape)
+            outs.append(G.LogicalTensor(lt.id, shape, lt.dtype, tuple(strides), "strided", False))
+        return self.partition.compile(ins, outs)
+
+    def __call__(self, *inputs):
+        if self.consts:
+            inputs = list(inputs)
+            for pos, t in self.consts.items():
+                inputs.insert(pos, t)
+        sig = tuple((t.shape, t.stride(), t.dtype) for t in inputs)
+        cp = self._compiled.get(sig)
+        if cp is None:
+            cp = self._compiled[sig] = self._compile(inputs)
+        bufs = self._buffers.get(sig)
+        if bufs is None:
+            outs = cp.new_outputs()
+            self._buffers[sig] = [b if r else None for b, r in zip(outs, self.reuse)]
+        else:
+            outs = [b if b is not None else torch.empty_strided(lt.shape, lt.strides, dtype=lt.dtype)
+                    for b, lt in zip(bufs, cp.outputs)]
+        cp(list(inputs), outs)
+        return tuple(outs)
+
+    @property
+    def op_kinds(self) -> list[str]:
+        return self.partition.op_kinds
+
+
+def _inplace(target) -> bool:
+    name = getattr(getattr(target, "_schema", None), "name", "") or ""
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _escaping(gm: torch.fx.GraphModule) -> set:
+    """Nodes whose storage can reach the caller: graph outputs and what they view."""
+    out = set()
+    stack = []
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            stack += [a for a in n.all_input_nodes]
+    while stack:
+        n = stack.pop()
+        if n in out:
+            continue
+        out.add(n)
+        if n.op == "call_function" and (n.target in VIEW_OPS or _inplace(n.target)):
+            stack += n.all_input_nodes
+    return out
+
+
+def build_program(gm: torch.fx.GraphModule, low: LoweredGraph, channels_last: bool) -> tuple[torch.fx.GraphModule, list]:
+    ctx = low.ctx
+    in_partition: dict[torch.fx.Node, int] = {}
+    for i, (_p, nodes) in enumerate(low.partitions):
+        for n in nodes:
+            in_partition[n] = i
+    escaping = _escaping(gm)
+
+    # Steps in a dependency-respecting order: a partition is emitted once all its inputs exist.
+    new = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    steps = []
+    emitted = set()
+    order = list(gm.graph.nodes)
+    part_inputs = []
+    for p, nodes in low.partitions:
+        part_inputs.append([ctx.lt_node.get(lt.id) for lt in p.inputs])
+
+    def ready(i):
+        return all(x is None or x in env for x in part_inputs[i])
+
+    pending_nodes = [n for n in order]
+    progress = True
+    while pending_nodes and progress:
+        progress = False
+        rest = []
+        for n in pending_nodes:
+            if n in in_partition:
+                i = in_partition[n]
+                if i in emitted:
+                    progress = True
+                    continue
+                if not ready(i):
+                    rest.append(n)
+                    continue
+                _emit_partition(i, low, ctx, new, env, steps, escaping, channels_last)
+                emitted.add(i)
+                progress = True
+                continue
+            if not all(a in env for a in n.all_input_nodes):
+                rest.append(n)
+                continue
+            if n.op == "output":
+                new.output(torch.fx.node.map_arg(n.args[0], lambda a: env[a]))
+            else:
+                env[n] = new.node_copy(n, lambda a: env[a])
+            progress = True
+        pending_nodes = rest
+    if pending_nodes:
+        raise RuntimeError(f"could not order steps; stuck at {[n.name for n in pending_nodes[:5]]}")
+    prog = torch.fx.GraphModule(gm, new)
+    prog._forward_pre_hooks.clear()
+    prog._forward_hooks.clear()
+    return prog, steps
+
+
+def _emit_partition(i, low, ctx, new, env, steps, escaping, channels_last):
+    p, nodes = low.partitions[i]
+    args, consts = [], {}
+    for pos, lt in enumerate(p.inputs):
+        src = ctx.lt_node.get(lt.id)
+        if src is None:
+            consts[pos] = ctx.consts[lt.id]
+        else:
+            args.append(env[src])
+    out_nodes = [ctx.lt_node[lt.id] for lt in p.outputs]
+    reuse = [o not in escaping for o in out_nodes]
+    step = PartitionStep(i, p, [lt.id for lt in p.inputs], [lt.id for lt in p.outputs], consts, reuse,
+                         channels_last)
+    steps.append(step)
+    call = new.call_function(step, tuple(args))
+    call.name = f"onednn_partition_{i}"
+    for k, o in enumerate(out_nodes):
+        g = new.call_function(operator.getitem, (call, k))
+        g.meta["val"] = o.meta.get("val")
+        env[o] = g
