@@ -58,6 +58,15 @@ class Ctx:
     op_node: dict = field(default_factory=dict)       # oneDNN op id -> FX node
     consts: dict = field(default_factory=dict)        # lt id -> torch tensor (scalars)
     constant_nodes: set = field(default_factory=set)  # get_attr nodes (weights)
+    inner_ids: set = field(default_factory=set)       # lts of decomposed ops with no FX node
+
+    def key(self, lt_id: int):
+        """The runtime value an lt stands for: its FX node, or ("lt", id) for an inner value."""
+        if lt_id in self.lt_node:
+            return self.lt_node[lt_id]
+        if lt_id in self.inner_ids:
+            return ("lt", lt_id)
+        return None
 
     def lt(self, n: torch.fx.Node) -> G.LogicalTensor:
         if n in self.lts:
@@ -99,7 +108,9 @@ class Ctx:
 
     def inner(self, n: torch.fx.Node, tag: str) -> G.LogicalTensor:
         v = _val(n)
-        return self.g.tensor(tuple(v.shape), v.dtype, layout="any")
+        t = self.g.tensor(tuple(v.shape), v.dtype, layout="any")
+        self.inner_ids.add(t.id)
+        return t
 
 
 def _ints(v, n=2):
@@ -186,9 +197,25 @@ def _eltwise(kind, **attrs):
 
 def _gelu(ctx: Ctx, n):
     approx = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
-    if approx != "none":
-        raise LoweringError("tanh-approximated GELU has no oneDNN Graph 3.2 op")
-    ctx.op(n, "GELU", [ctx.lt(n.args[0])], [ctx.out(n)])
+    if approx == "none":
+        ctx.op(n, "GELU", [ctx.lt(n.args[0])], [ctx.out(n)])
+        return
+    # oneDNN Graph 3.2's GELU is erf-only: write the tanh form out,
+    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), which oneDNN fuses as post-op chains.
+    x = ctx.lt(n.args[0])
+    like = _val(n)
+    t = [ctx.inner(n, f"gelu{i}") for i in range(7)]
+    bc = {"auto_broadcast": "numpy"}
+    ctx.op(n, "Multiply", [x, x], [t[0]], **bc)                                      # x^2
+    ctx.op(n, "Multiply", [t[0], ctx.scalar(0.044715, like)], [t[1]], **bc)          # c x^2
+    ctx.op(n, "Add", [t[1], ctx.scalar(1.0, like)], [t[2]], **bc)                    # 1 + c x^2
+    ctx.op(n, "Multiply", [x, t[2]], [t[3]], **bc)                                   # x + c x^3
+    ctx.op(n, "Multiply", [t[3], ctx.scalar(0.7978845608028654, like)], [t[4]], **bc)
+    ctx.op(n, "Tanh", [t[4]], [t[5]])
+    ctx.op(n, "Add", [t[5], ctx.scalar(1.0, like)], [t[6]], **bc)
+    half = ctx.inner(n, "half_x")
+    ctx.op(n, "Multiply", [x, ctx.scalar(0.5, like)], [half], **bc)
+    ctx.op(n, "Multiply", [half, t[6]], [ctx.out(n)], **bc)
 
 
 def _silu(ctx: Ctx, n):

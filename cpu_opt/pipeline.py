@@ -129,8 +129,8 @@ def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbo
     progress.step("passes")
     if dtype == "bf16":
         log += passes.cast_params(gm, torch.bfloat16)
-        _propagate_shapes(gm, flat_in)
         _cast_inputs_outputs(gm, torch.bfloat16, out_dtypes)
+        _propagate_shapes(gm, flat_in)
         log += _route_attention(gm, dtype)
     cl = _channels_last_inputs(gm)
     if cl:
@@ -139,6 +139,12 @@ def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbo
     _propagate_shapes(gm, flat_in)
     progress.step("shapes")
     lowered = None
+    r = routing.route("gemm", dtype)
+    if use_onednn and r.backend != "onednn":
+        # Do not hand oneDNN Graph work it has no kernels for on this ISA: for bf16 without
+        # avx512_core it aborts inside its C++ layer instead of returning a status.
+        log.append(f"routing: {dtype} GEMM/conv work runs in torch on this CPU ({r.why})")
+        use_onednn = False
     if use_onednn:
         try:
             from . import dnnl

@@ -105,48 +105,39 @@ def build_program(gm: torch.fx.GraphModule, low: LoweredGraph, channels_last: bo
             in_partition[n] = i
     escaping = _escaping(gm)
 
-    # Steps in a dependency-respecting order: a partition is emitted once all its inputs exist.
+    # Steps in a dependency-respecting order. A unit is a partition or an FX node outside every
+    # partition; a unit is emitted once all the values it reads exist. (A decomposed op can
+    # span partitions, so partitions are scheduled as units, not through their FX nodes.)
     new = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    env: dict = {}
     steps = []
-    emitted = set()
-    order = list(gm.graph.nodes)
-    part_inputs = []
-    for p, nodes in low.partitions:
-        part_inputs.append([ctx.lt_node.get(lt.id) for lt in p.inputs])
-
-    def ready(i):
-        return all(x is None or x in env for x in part_inputs[i])
-
-    pending_nodes = [n for n in order]
-    progress = True
-    while pending_nodes and progress:
-        progress = False
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    units = []
+    for i, (p, nodes) in enumerate(low.partitions):
+        needs = [k for k in (ctx.key(lt.id) for lt in p.inputs) if k is not None]
+        units.append((min(pos[n] for n in nodes), "partition", i, needs))
+    for n in gm.graph.nodes:
+        if n not in in_partition:
+            units.append((pos[n], "node", n, list(n.all_input_nodes)))
+    units.sort(key=lambda u: (u[0], u[1] == "node"))
+    pending = units
+    while pending:
         rest = []
-        for n in pending_nodes:
-            if n in in_partition:
-                i = in_partition[n]
-                if i in emitted:
-                    progress = True
-                    continue
-                if not ready(i):
-                    rest.append(n)
-                    continue
-                _emit_partition(i, low, ctx, new, env, steps, escaping, channels_last)
-                emitted.add(i)
-                progress = True
+        for u in pending:
+            _, kind, what, needs = u
+            if not all(k in env for k in needs):
+                rest.append(u)
                 continue
-            if not all(a in env for a in n.all_input_nodes):
-                rest.append(n)
-                continue
-            if n.op == "output":
-                new.output(torch.fx.node.map_arg(n.args[0], lambda a: env[a]))
+            if kind == "partition":
+                _emit_partition(what, low, ctx, new, env, steps, escaping, channels_last)
+            elif what.op == "output":
+                new.output(torch.fx.node.map_arg(what.args[0], lambda a: env[a]))
             else:
-                env[n] = new.node_copy(n, lambda a: env[a])
-            progress = True
-        pending_nodes = rest
-    if pending_nodes:
-        raise RuntimeError(f"could not order steps; stuck at {[n.name for n in pending_nodes[:5]]}")
+                env[what] = new.node_copy(what, lambda a: env[a])
+        if len(rest) == len(pending):
+            raise RuntimeError("could not order steps; stuck at "
+                               f"{[str(u[2] if u[1] == 'node' else 'partition %d' % u[2]) for u in rest[:5]]}")
+        pending = rest
     prog = torch.fx.GraphModule(gm, new)
     prog._forward_pre_hooks.clear()
     prog._forward_hooks.clear()
@@ -157,12 +148,12 @@ def _emit_partition(i, low, ctx, new, env, steps, escaping, channels_last):
     p, nodes = low.partitions[i]
     args, consts = [], {}
     for pos, lt in enumerate(p.inputs):
-        src = ctx.lt_node.get(lt.id)
+        src = ctx.key(lt.id)
         if src is None:
             consts[pos] = ctx.consts[lt.id]
         else:
             args.append(env[src])
-    out_nodes = [ctx.lt_node[lt.id] for lt in p.outputs]
+    out_nodes = [ctx.key(lt.id) for lt in p.outputs]
     reuse = [o not in escaping for o in out_nodes]
     step = PartitionStep(i, p, [lt.id for lt in p.inputs], [lt.id for lt in p.outputs], consts, reuse,
                          channels_last)
@@ -171,5 +162,5 @@ def _emit_partition(i, low, ctx, new, env, steps, escaping, channels_last):
     call.name = f"onednn_partition_{i}"
     for k, o in enumerate(out_nodes):
         g = new.call_function(operator.getitem, (call, k))
-        g.meta["val"] = o.meta.get("val")
+        g.meta["val"] = o.meta.get("val") if isinstance(o, torch.fx.Node) else None
         env[o] = g

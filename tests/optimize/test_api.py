@@ -1,0 +1,140 @@
+"""optimize()'s API: input forms, new shapes, bad inputs, verbose report, the dynamo backend."""
+import pytest
+import torch
+from torch import nn
+
+import cpu_opt
+from cpu_opt.capture import CaptureError
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 5)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        return self.fc(y.mean(dim=(2, 3)))
+
+
+class TwoIn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        return {"sum": self.a(x) + y, "prod": torch.tanh(self.a(y)) * x}
+
+
+def _close(a, b, tol=1e-4):
+    return ((a - b).abs().max() / b.abs().max()).item() < tol
+
+
+def test_tensor_tuple_and_dict_inputs():
+    m = Block().eval()
+    x = torch.randn(2, 3, 12, 12)
+    for ex in (x, (x,)):
+        opt = cpu_opt.optimize(m, ex, dtype="fp32")
+        assert _close(opt(x), m(x).detach())
+    t = TwoIn().eval()
+    a, b = torch.randn(4, 16), torch.randn(4, 16)
+    opt = cpu_opt.optimize(t, {"x": a, "y": b}, dtype="fp32")
+    out = opt(x=a, y=b)
+    ref = t(a, b)
+    assert set(out) == {"sum", "prod"}
+    assert _close(out["sum"], ref["sum"].detach()) and _close(out["prod"], ref["prod"].detach())
+
+
+def test_batchnorm_folded_and_reported():
+    m = Block().eval()
+    opt = cpu_opt.optimize(m, torch.randn(1, 3, 8, 8), dtype="fp32")
+    rep = opt.report()
+    assert any("BatchNorm" in p for p in rep["passes"])
+    assert any("Convolution" in p["ops"] for p in rep["partitions"])
+
+
+def test_new_batch_size_compiles_once_and_matches():
+    m = Block().eval()
+    opt = cpu_opt.optimize(m, torch.randn(1, 3, 10, 10), dtype="fp32")
+    x4 = torch.randn(4, 3, 10, 10)
+    assert _close(opt(x4), m(x4).detach())
+    assert opt.report()["shapes_compiled"] == 2
+    opt(x4)
+    assert opt.report()["shapes_compiled"] == 2
+
+
+def test_wrong_rank_and_dtype_raise_clearly():
+    m = Block().eval()
+    opt = cpu_opt.optimize(m, torch.randn(1, 3, 8, 8), dtype="fp32")
+    with pytest.raises(ValueError, match="rank 3"):
+        opt(torch.randn(3, 8, 8))
+    with pytest.raises(TypeError, match="dtype"):
+        opt(torch.randn(1, 3, 8, 8, dtype=torch.float64))
+    with pytest.raises(TypeError, match="structure"):
+        opt(torch.randn(1, 3, 8, 8), torch.randn(1))
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="nn.Module"):
+        cpu_opt.optimize(lambda x: x, torch.randn(2))
+    with pytest.raises(ValueError, match="dtype"):
+        cpu_opt.optimize(Block(), torch.randn(1, 3, 8, 8), dtype="fp8")
+    with pytest.raises(TypeError, match="example_inputs"):
+        cpu_opt.optimize(Block(), 3.0)
+
+
+class Untraceable(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow
+            return x * 2
+        return x.numpy()
+
+
+def test_uncapturable_model_names_the_problem():
+    with pytest.raises(CaptureError, match="torch.export"):
+        cpu_opt.optimize(Untraceable(), torch.randn(3))
+
+
+class WithUnlisted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.cumsum(self.fc(x), dim=-1)
+
+
+def test_unlisted_op_falls_back_and_is_reported(capsys):
+    m = WithUnlisted().eval()
+    x = torch.randn(3, 8)
+    opt = cpu_opt.optimize(m, x, dtype="fp32", verbose=True)
+    assert _close(opt(x), m(x).detach())
+    rep = opt.report()
+    assert [f["op"] for f in rep["fallbacks"]] == ["aten.cumsum.default"]
+    assert "no oneDNN Graph mapping" in rep["fallbacks"][0]["reason"]
+    printed = capsys.readouterr().out
+    assert "cumsum" in printed and "partition" in printed
+
+
+def test_output_buffers_are_not_shared_between_calls():
+    m = Block().eval()
+    opt = cpu_opt.optimize(m, torch.randn(2, 3, 8, 8), dtype="fp32")
+    x1, x2 = torch.randn(2, 3, 8, 8), torch.randn(2, 3, 8, 8)
+    y1 = opt(x1)
+    y1_copy = y1.clone()
+    opt(x2)
+    assert torch.equal(y1, y1_copy)
+
+
+def test_torch_compile_backend():
+    m = Block().eval()
+    x = torch.randn(2, 3, 8, 8)
+    torch._dynamo.reset()
+    c = torch.compile(m, backend="cpu_opt")
+    with torch.no_grad():
+        assert _close(c(x), m(x))
