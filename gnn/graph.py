@@ -118,7 +118,7 @@ class CSRGraph:
         """A torch sparse CSR tensor of this matrix (ones where there is no weight)."""
         values = self.weight if self.weight is not None else torch.ones(self.nnz)
         return torch.sparse_csr_tensor(self.rowptr, self.col.to(torch.int64), values,
-                                       size=(self.n_rows, self.n_cols))
+                                       size=(self.n_rows, self.n_cols), check_invariants=False)
 
     def __repr__(self):
         return (f"CSRGraph({self.n_rows}x{self.n_cols}, nnz={self.nnz}, col={self.col.dtype}, "
@@ -177,19 +177,26 @@ class _TorchCSRRegistry:
     that is passed again reuses its cached transpose."""
 
     def __init__(self):
-        self._d: dict[int, tuple[weakref.ref, CSRGraph, bool]] = {}
+        self._d: dict = {}
         self._lock = threading.Lock()
 
-    def register(self, t: torch.Tensor, graph: CSRGraph, unit_weight: bool = False):
+    def register(self, t: torch.Tensor, graph: CSRGraph, unit_weight: bool = False,
+                 edge_index: torch.Tensor | None = None):
+        """``edge_index``: the PyG edge_index this adj_t was made from, if any."""
         key = id(t)
         with self._lock:
-            self._d[key] = (weakref.ref(t, lambda _r, k=key: self._d.pop(k, None)), graph, unit_weight)
+            self._d[key] = (weakref.ref(t, lambda _r, k=key: self._d.pop(k, None)), graph, unit_weight, edge_index)
 
     def lookup(self, t: torch.Tensor):
+        """(graph, unit_weight) of a registered tensor, else None."""
         hit = self._d.get(id(t))
         if hit is not None and hit[0]() is t:
             return hit[1], hit[2]
         return None
+
+    def source_edge_index(self, t: torch.Tensor):
+        hit = self._d.get(id(t))
+        return hit[3] if hit is not None and hit[0]() is t else None
 
     def graph_for(self, t: torch.Tensor) -> tuple[CSRGraph, bool]:
         """(structure, unit_weight): unit_weight means the values are all ones and can be skipped."""
@@ -208,5 +215,5 @@ def adj_t_from_edge_index(edge_index: torch.Tensor, num_nodes: int, index_dtype=
     """A torch sparse CSR ``adj_t`` (targets x sources, ones) registered with its CSRGraph."""
     g = CSRGraph.from_edge_index(edge_index, num_nodes, index_dtype=index_dtype)
     t = g.to_torch()
-    torch_csr_registry.register(t, g, unit_weight=True)
+    torch_csr_registry.register(t, g, unit_weight=True, edge_index=edge_index)
     return t

@@ -197,7 +197,10 @@ def spmm(adj, x: Tensor, reduce: str = "sum", weight: Optional[Tensor] = None) -
 
 def _flatten_dim(t: Tensor, dim: int) -> Tensor:
     t = t.movedim(dim, 0)
-    return t.reshape(t.shape[0], -1)
+    f = 1
+    for d in t.shape[1:]:
+        f *= d
+    return t.reshape(t.shape[0], f)
 
 
 def scatter_reduce(src: Tensor, index: Tensor, dim: int = 0, dim_size: Optional[int] = None,
@@ -249,7 +252,15 @@ def scatter_reduce(src: Tensor, index: Tensor, dim: int = 0, dim_size: Optional[
 def scatter(src: Tensor, index: Tensor, dim: int = 0, dim_size: Optional[int] = None,
             reduce: str = "sum") -> Tensor:
     """PyG's / torch_scatter's ``scatter``: reduce slices of ``src`` into zeros, empty rows 0,
-    mean over the number of entries (``include_self=False``)."""
+    mean over the number of entries (``include_self=False``); for prod ("mul") empty rows are 1,
+    as in PyG and torch_scatter."""
+    if K.canonical_reduce(reduce) == "prod":
+        if dim_size is None:
+            dim_size = int(index.max()) + 1 if index.numel() else 0
+        d = dim % src.dim() if src.dim() else 0
+        shape = list(src.shape)
+        shape[d] = dim_size
+        return scatter_reduce(src, index, dim, dim_size, "prod", input=src.new_ones(shape), include_self=True)
     return scatter_reduce(src, index, dim, dim_size, reduce, include_self=False)
 
 

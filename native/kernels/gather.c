@@ -37,7 +37,7 @@ CO_GATHER_ROWS(int32_t, i32)
     {                                                                                        \
         if (n_src < 0 || row_bytes < 0 || n_index < 0 || nthreads < 1)                       \
             return CO_ERR_BAD_ARGUMENT;                                                      \
-        if ((n_index > 0 && (!index || !out)) || (n_src > 0 && row_bytes > 0 && !src))      \
+        if ((n_index > 0 && (!index || (!out && row_bytes > 0))) || (n_src > 0 && row_bytes > 0 && !src)) \
             return CO_ERR_BAD_ARGUMENT;                                                      \
         for (int64_t i = 0; i < n_index; ++i) {                                              \
             if (index[i] < 0 || (int64_t)index[i] >= n_src) {                                \

@@ -1,0 +1,263 @@
+"""PyTorch Geometric on cpu_opt's kernels.
+
+``optimize(model)`` wraps a PyG model so that, while it runs:
+
+* ``edge_index`` (2 x E) is converted once to a CSR ``adj_t`` (targets x sources) and cached per
+  graph; the CSC transpose that backward needs is built on first use and kept with it. PyG then
+  takes the fused ``message_and_aggregate`` path of GCNConv, SAGEConv, GINConv and GraphConv,
+  whose ``spmm`` runs on :func:`cpu_opt.gnn.spmm`;
+* aggregation through ``scatter`` (sum / mean / max / min / mul; convs without a fused path, and
+  any PyG code in the patched modules) runs on :func:`cpu_opt.gnn.scatter`;
+* GCN normalisation of a cached ``adj_t`` is computed once (by PyG's own ``gcn_norm``) and kept.
+
+PyG binds ``scatter``, ``spmm`` and ``gcn_norm`` by name into many modules, so patching
+``torch_geometric.utils`` alone would change nothing: :func:`patched` swaps every bound name (in
+every loaded ``torch_geometric.*`` module) for the duration of a call and restores the originals
+afterwards. Nothing of torch's own operators is overridden. Anything the kernels do not cover
+(another device or dtype, a broadcast index, an unsupported reduce) falls back to PyG's
+original function, and ``report()`` counts what went where.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import threading
+import weakref
+from collections import Counter, OrderedDict
+
+import torch
+
+from . import _kernels as K
+from . import ops
+from .graph import CSRGraph, torch_csr_registry
+
+_counts: Counter = Counter()
+_lock = threading.RLock()
+_depth = 0
+_saved: list = []
+
+
+def _originals():
+    import torch_geometric.nn.conv.gcn_conv as gcn_conv
+    import torch_geometric.utils as U
+
+    return {"scatter": U.scatter, "spmm": U.spmm, "gcn_norm": gcn_conv.gcn_norm}
+
+
+# ----------------------------------------------------------------------------- replacements
+
+def _cpu_float(t):
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype in K.FEATURE_DTYPES
+
+
+def _make_spmm(orig):
+    def spmm(src, other, reduce: str = "sum"):
+        r = "sum" if reduce == "add" else reduce
+        if (isinstance(src, torch.Tensor) and src.layout == torch.sparse_csr and _cpu_float(other)
+                and other.dim() == 2 and r in ("sum", "mean", "max", "min") and src.device.type == "cpu"):
+            _counts["spmm:cpu_opt"] += 1
+            return ops.spmm(src, other, r)
+        _counts["spmm:pyg (unsupported input)"] += 1
+        return orig(src, other, reduce)
+
+    spmm.__wrapped__ = orig
+    return spmm
+
+
+def _make_scatter(orig):
+    def scatter(src, index, dim: int = 0, dim_size=None, reduce: str = "sum"):
+        ok = (_cpu_float(src) and isinstance(index, torch.Tensor) and index.dim() == 1
+              and index.dtype in K.INDEX_DTYPES and reduce in ("sum", "add", "mean", "max", "min", "mul")
+              and src.dim() > 0 and -src.dim() <= dim < src.dim() and index.numel() == src.shape[dim])
+        if ok:
+            _counts["scatter:cpu_opt"] += 1
+            return ops.scatter(src, index, dim, dim_size, reduce)
+        _counts["scatter:pyg (unsupported input)"] += 1
+        return orig(src, index, dim, dim_size, reduce)
+
+    scatter.__wrapped__ = orig
+    return scatter
+
+
+class _GCNNormCache:
+    """gcn_norm of a registered (unit-weight) adj_t, computed once per (graph, options)."""
+
+    def __init__(self):
+        self._d: dict = {}
+
+    def get(self, orig, adj, args):
+        key = (id(adj),) + args
+        hit = self._d.get(key)
+        if hit is not None and hit[0]() is adj:
+            _counts["gcn_norm:cached"] += 1
+            return hit[1]
+        num_nodes, improved, add_self_loops, flow, dtype = args
+        ei = torch_csr_registry.source_edge_index(adj)
+        with torch.no_grad():
+            if ei is not None:
+                # PyG's edge_index path (add_remaining_self_loops), so results equal PyG's default
+                ei2, w2 = orig(ei, None, num_nodes, improved, add_self_loops, "source_to_target", dtype)
+                g = CSRGraph.from_edge_index(ei2, num_nodes if num_nodes is not None else adj.shape[0], w2,
+                                             index_dtype=torch_csr_registry.lookup(adj)[0].col.dtype)
+                norm = g.to_torch()
+            else:
+                norm, _ = orig(adj, None, num_nodes, improved, add_self_loops, flow, dtype)
+                norm = norm.to_sparse_csr() if norm.layout != torch.sparse_csr else norm
+                g = CSRGraph.from_torch(norm)
+        torch_csr_registry.register(norm, g.with_weight(None), unit_weight=False)
+        self._d[key] = (weakref.ref(adj, lambda _r, k=key: self._d.pop(k, None)), (norm, None))
+        _counts["gcn_norm:computed once"] += 1
+        return norm, None
+
+
+_gcn_cache = _GCNNormCache()
+
+
+def _make_gcn_norm(orig):
+    def gcn_norm(edge_index, edge_weight=None, num_nodes=None, improved=False, add_self_loops=True,
+                 flow="source_to_target", dtype=None):
+        if (isinstance(edge_index, torch.Tensor) and edge_index.layout == torch.sparse_csr and edge_weight is None):
+            hit = torch_csr_registry.lookup(edge_index)
+            if hit is not None and hit[1]:  # ones made by cpu_opt: the normalisation is fixed
+                return _gcn_cache.get(orig, edge_index, (num_nodes, improved, add_self_loops, flow, dtype))
+        _counts["gcn_norm:pyg"] += 1
+        return orig(edge_index, edge_weight, num_nodes, improved, add_self_loops, flow, dtype)
+
+    gcn_norm.__wrapped__ = orig
+    return gcn_norm
+
+
+_MAKERS = {"scatter": _make_scatter, "spmm": _make_spmm, "gcn_norm": _make_gcn_norm}
+
+
+def _sites(originals):
+    """(module, name) pairs in loaded torch_geometric modules bound to an original function."""
+    out = []
+    for modname, mod in list(sys.modules.items()):
+        if mod is None or not modname.startswith("torch_geometric"):
+            continue
+        d = getattr(mod, "__dict__", {})
+        for name, fn in originals.items():
+            if d.get(name) is fn:
+                out.append((mod, name))
+    return out
+
+
+@contextlib.contextmanager
+def patched():
+    """Within this block, PyG's ``scatter``, ``spmm`` and ``gcn_norm`` (every bound copy) run on
+    cpu_opt's kernels; the originals are restored on exit. Re-entrant; process-wide while active
+    (do not run other PyG models concurrently in other threads that must stay unpatched)."""
+    global _depth
+    with _lock:
+        if _depth == 0:
+            originals = _originals()
+            repl = {n: _MAKERS[n](f) for n, f in originals.items()}
+            _saved.clear()
+            for mod, name in _sites(originals):
+                _saved.append((mod, name, mod.__dict__[name]))
+                setattr(mod, name, repl[name])
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                for mod, name, fn in _saved:
+                    setattr(mod, name, fn)
+                _saved.clear()
+
+
+# ----------------------------------------------------------------------------- the wrapper
+
+class OptimizedGNN(torch.nn.Module):
+    """A PyG model whose message passing runs on cpu_opt kernels (see the module docstring).
+    Shares the parameters of the wrapped model (``.model``)."""
+
+    def __init__(self, model: torch.nn.Module, *, edge_arg: str | None = None,
+                 index_dtype: torch.dtype = torch.int64, cache_size: int = 4):
+        super().__init__()
+        self.model = model
+        params = list(inspect.signature(model.forward).parameters)
+        if edge_arg is None:
+            edge_arg = next((p for p in ("edge_index", "adj_t", "adj") if p in params), None)
+            if edge_arg is None and len(params) >= 2:
+                edge_arg = params[1]
+        if edge_arg is None or edge_arg not in params:
+            raise ValueError(f"cannot find the edge_index argument of {type(model).__name__}.forward{params}; "
+                             f"pass edge_arg=")
+        self._edge_arg = edge_arg
+        self._params = params
+        self._index_dtype = index_dtype
+        self._cache: OrderedDict = OrderedDict()
+        self._cache_size = cache_size
+        self._notes: Counter = Counter()
+        from torch_geometric.nn import MessagePassing
+
+        # adj_t is built for flow="source_to_target"; a model with another flow keeps edge_index
+        self._convertible = all(getattr(m, "flow", "source_to_target") == "source_to_target"
+                                for m in model.modules() if isinstance(m, MessagePassing))
+
+    def _adj_t(self, edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
+        key = (edge_index.data_ptr(), edge_index.storage_offset(), tuple(edge_index.shape),
+               tuple(edge_index.stride()), edge_index._version, num_nodes)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            self._notes["edge_index -> adj_t: cached"] += 1
+            return hit[1]
+        g = CSRGraph.from_edge_index(edge_index, num_nodes, index_dtype=self._index_dtype)
+        adj_t = g.to_torch()
+        torch_csr_registry.register(adj_t, g, unit_weight=True, edge_index=edge_index)
+        # the entry keeps edge_index alive, so its memory cannot be reused by another tensor
+        self._cache[key] = (edge_index, adj_t)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        self._notes["edge_index -> adj_t: converted"] += 1
+        return adj_t
+
+    def forward(self, *args, **kwargs):
+        bound = inspect.signature(self.model.forward).bind(*args, **kwargs)
+        a = bound.arguments
+        ei = a.get(self._edge_arg)
+        x = a.get(self._params[0]) if self._params else None
+        has_weight = any(a.get(n) is not None for n in ("edge_weight", "edge_attr"))
+        if (isinstance(ei, torch.Tensor) and ei.layout == torch.strided and ei.dim() == 2 and ei.shape[0] == 2
+                and ei.dtype in K.INDEX_DTYPES and not has_weight and isinstance(x, torch.Tensor)
+                and self._convertible):
+            a[self._edge_arg] = self._adj_t(ei, x.shape[0])
+        elif has_weight:
+            self._notes["edge weights/attrs given: edge_index kept (scatter path)"] += 1
+        elif not self._convertible:
+            self._notes["a layer has flow='target_to_source': edge_index kept (scatter path)"] += 1
+        with patched():
+            return self.model(*bound.args, **bound.kwargs)
+
+    def report(self) -> str:
+        """What ran where since creation (counts)."""
+        lines = [f"cpu_opt.gnn.optimize({type(self.model).__name__}):"]
+        for k, v in sorted(self._notes.items()):
+            lines.append(f"  {k}: {v}")
+        for k, v in sorted(_counts.items()):
+            lines.append(f"  {k}: {v}")
+        return "\n".join(lines)
+
+
+def optimize(model: torch.nn.Module, *, edge_arg: str | None = None, index_dtype: torch.dtype = torch.int64,
+             verbose: bool = False) -> OptimizedGNN:
+    """Wrap a PyG model so its message passing runs on cpu_opt kernels. The model's forward must
+    take node features first and ``edge_index`` (or ``edge_arg``) as a (2, E) integer tensor.
+    ``index_dtype=torch.int32`` halves the column index traffic."""
+    from torch_geometric.nn import MessagePassing
+
+    convs = [type(m).__name__ for m in model.modules() if isinstance(m, MessagePassing)]
+    if not convs:
+        raise ValueError(f"{type(model).__name__} contains no torch_geometric MessagePassing layer")
+    opt = OptimizedGNN(model, edge_arg=edge_arg, index_dtype=index_dtype)
+    if verbose:
+        fused = [c for c in convs if c in ("GCNConv", "SAGEConv", "GINConv", "GraphConv")]
+        print(f"cpu_opt.gnn.optimize: {len(convs)} message-passing layers ({', '.join(sorted(set(convs)))}); "
+              f"fused spmm path for {len(fused)}, scatter path for the rest")
+    return opt

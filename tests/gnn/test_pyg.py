@@ -1,0 +1,176 @@
+"""cpu_opt.gnn.optimize / patched on PyG 2.8 models: same outputs, gradients and loss curves as
+PyG's default edge_index path; bound names swapped only while running, then restored."""
+import copy
+
+import pytest
+import torch
+
+pyg = pytest.importorskip("torch_geometric")  # the [gnn] extra; installed in the dev venv
+from torch_geometric.nn import GCNConv, GINConv, GraphConv, SAGEConv  # noqa: E402
+
+from cpu_opt import gnn  # noqa: E402
+from cpu_opt.gnn import pyg as gpyg  # noqa: E402
+from cpu_opt.gnn.rmat import node_task, rmat_edge_index  # noqa: E402
+
+
+class Net(torch.nn.Module):
+    def __init__(self, kind, f_in, hidden, classes):
+        super().__init__()
+
+        def conv(i, o):
+            if kind == "gcn":
+                return GCNConv(i, o)
+            if kind == "sage_mean":
+                return SAGEConv(i, o, aggr="mean")
+            if kind == "sage_max":
+                return SAGEConv(i, o, aggr="max")
+            if kind == "gin":
+                return GINConv(torch.nn.Sequential(torch.nn.Linear(i, o), torch.nn.ReLU(), torch.nn.Linear(o, o)))
+            if kind == "graphconv_min":
+                return GraphConv(i, o, aggr="min")
+            raise ValueError(kind)
+
+        self.c1, self.c2 = conv(f_in, hidden), conv(hidden, classes)
+
+    def forward(self, x, edge_index):
+        return self.c2(self.c1(x, edge_index).relu(), edge_index)
+
+
+KINDS = ["gcn", "sage_mean", "sage_max", "gin", "graphconv_min"]
+
+
+def _task(n=300, e=2000, f=12, classes=4):
+    ei = rmat_edge_index(n, e, seed=1)
+    x, y = node_task(n, f, classes, ei, seed=1)
+    return x, ei, y
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_outputs_and_gradients_match_pyg(kind):
+    torch.manual_seed(0)
+    x, ei, y = _task()
+    ref = Net(kind, x.shape[1], 16, 4)
+    fast = gnn.optimize(copy.deepcopy(ref))
+    out_r = ref(x, ei)
+    out_f = fast(x, ei)
+    torch.testing.assert_close(out_f, out_r, rtol=1e-4, atol=1e-5)
+    torch.nn.functional.cross_entropy(out_r, y).backward()
+    torch.nn.functional.cross_entropy(out_f, y).backward()
+    for (name, p_r), p_f in zip(ref.named_parameters(), fast.model.parameters()):
+        torch.testing.assert_close(p_f.grad, p_r.grad, rtol=1e-4, atol=1e-5, msg=f"grad of {name}")
+    rep = fast.report()
+    assert "spmm:cpu_opt" in rep and "edge_index -> adj_t: converted: 1" in rep
+
+
+@pytest.mark.parametrize("kind", ["gcn", "sage_mean", "sage_max", "gin"])
+def test_training_loss_curve_matches_pyg(kind):
+    torch.manual_seed(0)
+    x, ei, y = _task()
+    ref = Net(kind, x.shape[1], 16, 4)
+    fast_model = copy.deepcopy(ref)
+    fast = gnn.optimize(fast_model)
+    curves = []
+    for model, params in ((ref, ref.parameters()), (fast, fast_model.parameters())):
+        opt = torch.optim.Adam(params, lr=0.01)
+        losses = []
+        for _ in range(8):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x, ei), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves.append(losses)
+    torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=1e-4, atol=1e-5)
+    assert curves[0][-1] < curves[0][0]
+
+
+def test_karate_club_gcn():
+    from torch_geometric.datasets import KarateClub
+
+    data = KarateClub()[0]
+    torch.manual_seed(0)
+    ref = Net("gcn", data.num_features, 8, 4)
+    fast = gnn.optimize(copy.deepcopy(ref))
+    torch.testing.assert_close(fast(data.x, data.edge_index), ref(data.x, data.edge_index), rtol=1e-4, atol=1e-5)
+
+
+def test_names_swapped_only_while_running_and_restored():
+    import torch_geometric.nn.aggr.base as aggr_base
+    import torch_geometric.nn.conv.gcn_conv as gcn_conv
+    import torch_geometric.nn.conv.sage_conv as sage_conv
+    import torch_geometric.utils as U
+
+    originals = (aggr_base.scatter, sage_conv.spmm, gcn_conv.spmm, gcn_conv.gcn_norm, U.scatter, U.spmm)
+    seen = {}
+
+    class Probe(torch.nn.Module):
+        def forward(self, x, edge_index):
+            seen["scatter"] = aggr_base.scatter
+            seen["spmm"] = sage_conv.spmm
+            seen["gcn_norm"] = gcn_conv.gcn_norm
+            return x
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = SAGEConv(4, 4)
+            self.probe = Probe()
+
+        def forward(self, x, edge_index):
+            return self.probe(self.conv(x, edge_index), edge_index)
+
+    x, ei = torch.randn(10, 4), torch.randint(0, 10, (2, 30))
+    gnn.optimize(M())(x, ei)
+    assert seen["scatter"] is not originals[0] and seen["scatter"].__wrapped__ is originals[0]
+    assert seen["spmm"].__wrapped__ is originals[1]
+    assert seen["gcn_norm"].__wrapped__ is originals[3]
+    assert (aggr_base.scatter, sage_conv.spmm, gcn_conv.spmm, gcn_conv.gcn_norm, U.scatter, U.spmm) == originals
+    # restored after an exception too
+    with pytest.raises(RuntimeError, match="boom"):
+        with gnn.patched():
+            assert aggr_base.scatter is not originals[0]
+            raise RuntimeError("boom")
+    assert aggr_base.scatter is originals[0]
+
+
+def test_patched_default_path_uses_cpu_opt_scatter():
+    """Inside patched(), a model called with plain edge_index aggregates with cpu_opt scatter."""
+    torch.manual_seed(0)
+    x, ei, _ = _task()
+    m = Net("sage_max", x.shape[1], 8, 3)
+    ref = m(x, ei)
+    before = gpyg._counts["scatter:cpu_opt"]
+    with gnn.patched():
+        out = m(x, ei)
+    assert gpyg._counts["scatter:cpu_opt"] > before
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_gcn_normalisation_cached_and_graph_cached():
+    torch.manual_seed(0)
+    x, ei, _ = _task()
+    fast = gnn.optimize(Net("gcn", x.shape[1], 8, 3))
+    fast(x, ei)
+    fast(x, ei)
+    rep = fast.report()
+    assert "edge_index -> adj_t: converted: 1" in rep and "edge_index -> adj_t: cached: 1" in rep
+    assert "gcn_norm:cached" in rep
+
+
+def test_unsupported_inputs_fall_back_to_pyg():
+    torch.manual_seed(0)
+    x, ei, _ = _task()
+    m = Net("sage_mean", x.shape[1], 8, 3).double()
+    fast = gnn.optimize(m)
+    # float64 runs on the f64 kernels; an edge_index with a weight stays on the scatter path
+    torch.testing.assert_close(fast(x.double(), ei), m(x.double(), ei))
+    with pytest.raises(ValueError, match="no torch_geometric MessagePassing"):
+        gnn.optimize(torch.nn.Linear(3, 3))
+
+
+def test_int32_index_graph():
+    torch.manual_seed(0)
+    x, ei, _ = _task()
+    ref = Net("sage_mean", x.shape[1], 8, 3)
+    fast = gnn.optimize(copy.deepcopy(ref), index_dtype=torch.int32)
+    torch.testing.assert_close(fast(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)
