@@ -17,10 +17,11 @@ Takes effect immediately, can be switched off again, and is what ``optimize_for_
 inside the modules it returns.
 
 **Process-wide default** (``DNNL_DEFAULT_FPMATH_MODE=BF16``): every oneDNN primitive, ``addmm``
-and weight packing included, gets the bf16 attribute. oneDNN reads it once, at its first
-primitive, so it must be in the environment before then: export ``CPU_OPT_FAST_MATH=1`` and
-``import cpu_opt`` before torch (see :mod:`cpu_opt.graviton.startup`), or export
-``DNNL_DEFAULT_FPMATH_MODE=BF16`` yourself. It cannot be undone in that process.
+and weight packing included, gets the bf16 attribute. It must be in the environment before
+``import torch`` (set after that, even before any oneDNN call, it was seen to be ignored):
+export ``CPU_OPT_FAST_MATH=1`` and import cpu_opt before torch (see
+:mod:`cpu_opt.graviton.startup`), or export ``DNNL_DEFAULT_FPMATH_MODE=BF16`` yourself. It
+cannot be undone in that process.
 :func:`process_fast_math` tells which default is in force, by measuring it (one tiny product
 whose fp32 and bf16 results differ).
 """

@@ -6,8 +6,10 @@ again in that process:
 ========================================  ==========================================  ============================
 variable                                  read by                                      read when
 ========================================  ==========================================  ============================
-``DNNL_DEFAULT_FPMATH_MODE=BF16``         oneDNN: bf16 fast-math for every primitive   first oneDNN primitive
-``ONEDNN_PRIMITIVE_CACHE_CAPACITY=N``     oneDNN's primitive cache (default 1024)       first oneDNN primitive
+``DNNL_DEFAULT_FPMATH_MODE=BF16``         oneDNN: bf16 fast-math for every primitive   ``import torch`` (seen: set
+                                                                                       after it, before any oneDNN
+                                                                                       call, it is ignored)
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY=N``     oneDNN's primitive cache (default 1024)       first oneDNN use
 ``LRU_CACHE_CAPACITY=N``                  ideep's cache of primitives inside torch      first ideep op
 ``THP_MEM_ALLOC_ENABLE=1``                torch's CPU allocator: madvise huge pages     first tensor allocation
                                           for blocks of 2 MB and more                   (``import torch``)
@@ -23,7 +25,9 @@ under its own names (nothing is switched on behind the user's back):
 :func:`apply` does that. It imports nothing heavy (no torch), acts on aarch64 only, never
 overrides a value the user already exported, and records what it did and whether torch was
 already imported (in which case the allocator setting is too late, and the oneDNN ones take
-effect only if no oneDNN primitive has run yet). :func:`state` returns that record.
+effect only if no oneDNN primitive has run yet; the fpmath default was seen to come too
+late then). :func:`state` returns that record. For this to work, ``import cpu_opt`` must call
+:func:`apply` before it imports torch.
 """
 from __future__ import annotations
 
@@ -150,8 +154,11 @@ def apply(environ=None, machine: str | None = None) -> StartupState:
         if TORCH_THP_VAR in to_set:
             notes.append("torch was imported before cpu_opt: THP_MEM_ALLOC_ENABLE comes too late for this "
                          "process (export it, or import cpu_opt first)")
-        if set(to_set) & {ONEDNN_FPMATH_VAR, ONEDNN_CACHE_VAR, IDEEP_CACHE_VAR}:
-            notes.append("torch was imported before cpu_opt: the oneDNN settings take effect only if no oneDNN "
+        if ONEDNN_FPMATH_VAR in to_set:
+            notes.append("torch was imported before cpu_opt: DNNL_DEFAULT_FPMATH_MODE comes too late for this "
+                         "process (oneDNN takes its default when torch loads); export it, or import cpu_opt first")
+        if set(to_set) & {ONEDNN_CACHE_VAR, IDEEP_CACHE_VAR}:
+            notes.append("torch was imported before cpu_opt: the cache capacity takes effect only if no oneDNN "
                          "primitive has run yet in this process")
     st = StartupState(machine=machine, applied=machine in ("aarch64", "arm64"), torch_was_imported=torch_imported,
                       set_vars=dict(to_set), kept_vars=dict(kept), notes=tuple(notes))
