@@ -9,6 +9,7 @@ autograd; :mod:`cpu_opt.gnn.ops` wraps them as torch custom ops.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import torch
@@ -36,8 +37,16 @@ def use_variant(variant: str | None):
         _state.variant = old
 
 
+_fn_cache: dict = {}
+
+
 def _fn(name: str):
-    return native.kernel(name, getattr(_state, "variant", None))
+    """The kernel for this CPU (or the variant forced by use_variant), looked up once."""
+    key = (name, getattr(_state, "variant", None), os.environ.get("CPU_OPT_MAX_ISA"))
+    fn = _fn_cache.get(key)
+    if fn is None:
+        fn = _fn_cache[key] = native.kernel(name, key[1])
+    return fn
 
 
 def _nthreads() -> int:

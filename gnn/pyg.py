@@ -131,8 +131,16 @@ def _make_gcn_norm(orig):
 _MAKERS = {"scatter": _make_scatter, "spmm": _make_spmm, "gcn_norm": _make_gcn_norm}
 
 
+_sites_cache: dict = {}
+
+
 def _sites(originals):
-    """(module, name) pairs in loaded torch_geometric modules bound to an original function."""
+    """(module, name) pairs in loaded torch_geometric modules bound to an original function.
+    Rescanned only when the set of loaded modules changed (scanning costs milliseconds)."""
+    key = (len(sys.modules), tuple(id(f) for f in originals.values()))
+    hit = _sites_cache.get("sites")
+    if hit is not None and hit[0] == key:
+        return hit[1]
     out = []
     for modname, mod in list(sys.modules.items()):
         if mod is None or not modname.startswith("torch_geometric"):
@@ -141,6 +149,7 @@ def _sites(originals):
         for name, fn in originals.items():
             if d.get(name) is fn:
                 out.append((mod, name))
+    _sites_cache["sites"] = (key, out)
     return out
 
 
@@ -190,6 +199,7 @@ class OptimizedGNN(torch.nn.Module):
                              f"pass edge_arg=")
         self._edge_arg = edge_arg
         self._params = params
+        self._signature = inspect.signature(model.forward)
         self._index_dtype = index_dtype
         self._cache: OrderedDict = OrderedDict()
         self._cache_size = cache_size
@@ -219,7 +229,7 @@ class OptimizedGNN(torch.nn.Module):
         return adj_t
 
     def forward(self, *args, **kwargs):
-        bound = inspect.signature(self.model.forward).bind(*args, **kwargs)
+        bound = self._signature.bind(*args, **kwargs)
         a = bound.arguments
         ei = a.get(self._edge_arg)
         x = a.get(self._params[0]) if self._params else None

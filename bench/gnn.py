@@ -1,0 +1,254 @@
+"""python -m bench gnn [--quick] [--threads 1,2] [--skip-training]
+
+cpu_opt.gnn kernels and PyG training epochs against the honest stock-torch baselines, measured
+interleaved in one process (bench.runner.measure), at 1 and 2 threads:
+
+* spmm (CSR x dense; sum, mean, amax, amin), forward and forward+backward, against
+  ``torch.sparse.mm(csr, x, reduce=...)``; effective memory bandwidth of the forward (bytes of
+  gathered neighbour rows + output + indices, per second) against the machine's copy bandwidth
+  measured in the same run;
+* scatter_reduce of per-edge messages (E x F) to nodes against ``Tensor.scatter_reduce``
+  (include_self=False), and gather against ``index_select``, forward and forward+backward;
+* training epochs (forward, cross-entropy, backward, Adam step; no dropout, so the kernels are not
+  hidden behind ``bernoulli_``) of GraphSAGE-mean, GraphSAGE-max, GCN and GIN: cpu_opt
+  (``gnn.optimize``) against PyG's default ``edge_index`` path and PyG with a torch CSR ``adj_t``.
+
+torch_scatter / torch_sparse are not measured: they only build from source here (7-15 min of both
+cores each) and were slower than stock torch when tried (see shared KNOWN.md).
+
+Graphs: 100k nodes, 1M edges, 64 features (``--quick``: 20k nodes, 200k edges), uniform and R-MAT
+power-law (gnn/rmat.py, seeded). Writes bench/results/gnn.json and gnn_kernels.png / gnn_training.png.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+from bench.runner import RESULTS_DIR, Report, bar_chart, measure, memory_bandwidth_gbs
+
+
+def _graphs(n, e, seed=0):
+    from cpu_opt.gnn.rmat import rmat_edge_index, uniform_edge_index
+
+    return {"uniform": uniform_edge_index(n, e, seed=seed), "powerlaw": rmat_edge_index(n, e, seed=seed)}
+
+
+def _torch_reduce(r):
+    return {"sum": "sum", "mean": "mean", "amax": "amax", "amin": "amin"}[r]
+
+
+def bench_kernels(rep: Report, n, e, f, threads, repeats, max_seconds, graphs):
+    from cpu_opt import gnn
+
+    for gname, ei in graphs.items():
+        g = gnn.CSRGraph.from_edge_index(ei, n)
+        g.csc()  # built once per graph (cached); not part of the timed calls
+        csr = torch.sparse_csr_tensor(g.rowptr, g.col, torch.ones(g.nnz), (n, n))
+        x = torch.randn(n, f)
+        xg = x.clone().requires_grad_()
+        go = torch.randn(n, f)
+        dst, src = ei[1].contiguous(), ei[0].contiguous()
+        msg = torch.randn(e, f)
+        msgg = msg.clone().requires_grad_()
+        go_msg = torch.randn(e, f)
+        dst_exp = dst.view(-1, 1).expand(-1, f)
+        gnn.sort_cache.get(dst, n)  # the same index comes every epoch: sorted once
+        for th in threads:
+            torch.set_num_threads(th)
+            bw = memory_bandwidth_gbs(repeats=5)
+            rep.add(kind="machine", graph=gname, threads=th, op="copy bandwidth", gbs=round(bw, 1))
+            for r in ("sum", "mean", "amax", "amin"):
+                tr = _torch_reduce(r)
+
+                def t_fwd(tr=tr):
+                    return torch.sparse.mm(csr, x) if tr == "sum" else torch.sparse.mm(csr, x, tr)
+
+                def t_fb(tr=tr):
+                    xg.grad = None
+                    out = torch.sparse.mm(csr, xg) if tr == "sum" else torch.sparse.mm(csr, xg, tr)
+                    out.backward(go)
+
+                def c_fb(r=r):
+                    xg.grad = None
+                    gnn.spmm(g, xg, r).backward(go)
+
+                st = measure({"torch": t_fwd, "cpu_opt": lambda r=r: gnn.spmm(g, x, r), "torch_fb": t_fb,
+                              "cpu_opt_fb": c_fb}, warmup=1, repeats=repeats, max_seconds=max_seconds)
+                nbytes = e * f * 4 + n * f * 4 + e * g.col.element_size() + (n + 1) * 8
+                if r in ("amax", "amin"):
+                    nbytes += n * f * 8  # the saved winner index
+                for mode, a, b in (("fwd", "cpu_opt", "torch"), ("fwd+bwd", "cpu_opt_fb", "torch_fb")):
+                    row = dict(kind="kernel", graph=gname, threads=th, op=f"spmm_{r}", mode=mode,
+                               cpu_opt_ms=st[a].median * 1e3, torch_ms=st[b].median * 1e3,
+                               speedup=st[b].median / st[a].median, baseline="torch.sparse.mm(csr)")
+                    if mode == "fwd":
+                        row["gbs"] = nbytes / st[a].median / 1e9
+                        row["pct_bw"] = 100 * row["gbs"] / bw
+                    rep.add(**row)
+            for r in ("sum", "mean", "amax", "amin"):
+                def t_fwd(r=r):
+                    return torch.zeros(n, f).scatter_reduce(0, dst_exp, msg, r, include_self=False)
+
+                def t_fb(r=r):
+                    msgg.grad = None
+                    torch.zeros(n, f).scatter_reduce(0, dst_exp, msgg, r, include_self=False).backward(go)
+
+                def c_fb(r=r):
+                    msgg.grad = None
+                    gnn.scatter(msgg, dst, 0, n, r).backward(go)
+
+                st = measure({"torch": t_fwd, "cpu_opt": lambda r=r: gnn.scatter(msg, dst, 0, n, r),
+                              "torch_fb": t_fb, "cpu_opt_fb": c_fb}, warmup=1, repeats=repeats,
+                             max_seconds=max_seconds)
+                for mode, a, b in (("fwd", "cpu_opt", "torch"), ("fwd+bwd", "cpu_opt_fb", "torch_fb")):
+                    rep.add(kind="kernel", graph=gname, threads=th, op=f"scatter_{r}", mode=mode,
+                            cpu_opt_ms=st[a].median * 1e3, torch_ms=st[b].median * 1e3,
+                            speedup=st[b].median / st[a].median, baseline="Tensor.scatter_reduce")
+
+            def t_fb():
+                xg.grad = None
+                x_ = xg.index_select(0, src)
+                x_.backward(go_msg)
+
+            def c_fb():
+                xg.grad = None
+                gnn.gather(xg, src).backward(go_msg)
+
+            out_buf = torch.empty(e, f)
+            st = measure({"torch": lambda: torch.index_select(x, 0, src, out=out_buf),
+                          "cpu_opt": lambda: gnn.gather(x, src, out=out_buf), "torch_fb": t_fb, "cpu_opt_fb": c_fb},
+                         warmup=1, repeats=repeats, max_seconds=max_seconds)
+            for mode, a, b in (("fwd", "cpu_opt", "torch"), ("fwd+bwd", "cpu_opt_fb", "torch_fb")):
+                row = dict(kind="kernel", graph=gname, threads=th, op="gather", mode=mode,
+                           cpu_opt_ms=st[a].median * 1e3, torch_ms=st[b].median * 1e3,
+                           speedup=st[b].median / st[a].median, baseline="index_select")
+                if mode == "fwd":
+                    row["gbs"] = (2 * e * f * 4 + e * 8) / st[a].median / 1e9
+                    row["pct_bw"] = 100 * row["gbs"] / bw
+                rep.add(**row)
+
+
+def _models(f_in, hidden, classes):
+    from torch_geometric.nn import GCNConv, GINConv, SAGEConv
+
+    class Net(torch.nn.Module):
+        def __init__(self, make):
+            super().__init__()
+            self.c1, self.c2 = make(f_in, hidden), make(hidden, classes)
+
+        def forward(self, x, edge_index):
+            return self.c2(self.c1(x, edge_index).relu(), edge_index)
+
+    def gin(i, o):
+        return GINConv(torch.nn.Sequential(torch.nn.Linear(i, o), torch.nn.ReLU(), torch.nn.Linear(o, o)))
+
+    return {
+        "GraphSAGE-mean": lambda: Net(lambda i, o: SAGEConv(i, o, aggr="mean")),
+        "GraphSAGE-max": lambda: Net(lambda i, o: SAGEConv(i, o, aggr="max")),
+        "GCN": lambda: Net(GCNConv),
+        "GIN": lambda: Net(gin),
+    }
+
+
+def bench_training(rep: Report, n, e, f, threads, repeats, max_seconds, graphs):
+    from cpu_opt import gnn
+    from cpu_opt.gnn.rmat import node_task
+
+    classes, hidden = 8, 64
+    for gname, ei in graphs.items():
+        x, y = node_task(n, f, classes, ei, seed=0)
+        adj_t = gnn.CSRGraph.from_edge_index(ei, n).to_torch()  # PyG's torch CSR adj_t (targets x sources)
+        for mname, make in _models(f, hidden, classes).items():
+            torch.manual_seed(0)
+            base = make()
+            paths = {"pyg_edge_index": (copy.deepcopy(base), ei), "pyg_csr_adj_t": (copy.deepcopy(base), adj_t)}
+            m_fast = copy.deepcopy(base)
+            paths["cpu_opt"] = (gnn.optimize(m_fast), ei)
+            steps = {}
+            for pname, (model, graph_arg) in paths.items():
+                params = (m_fast if pname == "cpu_opt" else model).parameters()
+                opt = torch.optim.Adam(params, lr=0.01)
+
+                def epoch(model=model, graph_arg=graph_arg, opt=opt):
+                    opt.zero_grad(set_to_none=True)
+                    loss = torch.nn.functional.cross_entropy(model(x, graph_arg), y)
+                    loss.backward()
+                    opt.step()
+                    return loss
+
+                steps[pname] = epoch
+            for th in threads:
+                torch.set_num_threads(th)
+                st = measure(steps, warmup=1, repeats=repeats, max_seconds=max_seconds)
+                c = st["cpu_opt"].median
+                rep.add(kind="training", graph=gname, threads=th, op=mname, mode="epoch",
+                        cpu_opt_ms=c * 1e3, pyg_edge_index_ms=st["pyg_edge_index"].median * 1e3,
+                        pyg_csr_ms=st["pyg_csr_adj_t"].median * 1e3,
+                        speedup_vs_edge_index=st["pyg_edge_index"].median / c,
+                        speedup_vs_csr=st["pyg_csr_adj_t"].median / c)
+
+
+def _charts(rep: Report, threads: int):
+    rows = [r for r in rep.rows if r["kind"] == "kernel" and r["threads"] == threads]
+    labels = sorted({f"{r['op']} {r['mode']}" for r in rows}, key=lambda s: (s.split()[0], s.split()[1]))
+    series = {}
+    for gname in ("uniform", "powerlaw"):
+        d = {f"{r['op']} {r['mode']}": r["speedup"] for r in rows if r["graph"] == gname}
+        series[gname] = [d.get(lab, 0.0) for lab in labels]
+    bar_chart(RESULTS_DIR / "gnn_kernels.png", labels, series, ylabel="speedup over stock torch (x)",
+              title=f"cpu_opt.gnn kernels vs torch, {threads} threads (100k nodes, 1M edges, F=64)", log=True)
+    trows = [r for r in rep.rows if r["kind"] == "training" and r["threads"] == threads]
+    if trows:
+        labels = [f"{r['op']} ({r['graph']})" for r in trows]
+        bar_chart(RESULTS_DIR / "gnn_training.png", labels,
+                  {"vs PyG edge_index": [r["speedup_vs_edge_index"] for r in trows],
+                   "vs PyG torch-CSR adj_t": [r["speedup_vs_csr"] for r in trows]},
+                  ylabel="epoch speedup (x)", title=f"PyG training epoch, cpu_opt vs PyG, {threads} threads")
+
+
+def main(quick: bool = False, argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench gnn")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--skip-training", action="store_true")
+    p.add_argument("--skip-kernels", action="store_true")
+    args = p.parse_args(argv or [])
+    threads = [int(t) for t in args.threads.split(",")]
+    n, e, f = (20_000, 200_000, 64) if quick else (100_000, 1_000_000, 64)
+    repeats, max_s = (3, 5.0) if quick else (7, 40.0)
+    old = torch.get_num_threads()
+    rep = Report("gnn" if not quick else "gnn_quick", nodes=n, edges=e, features=f,
+                 torch_scatter="not measured: builds from source only (7-15 min of both cores); slower than torch when tried")
+    t0 = time.time()
+    graphs = _graphs(n, e)
+    try:
+        if not args.skip_kernels:
+            bench_kernels(rep, n, e, f, threads, repeats, max_s, graphs)
+        if not args.skip_training:
+            bench_training(rep, n, e, f, threads, max(3, repeats - 2), max_s, graphs)
+    finally:
+        torch.set_num_threads(old)
+    rep.meta["wall_s"] = round(time.time() - t0, 1)
+    k = [r for r in rep.rows if r["kind"] == "kernel"]
+    if k:
+        Report.print_table(_subset(rep, k), ["graph", "threads", "op", "mode", "cpu_opt_ms", "torch_ms", "speedup",
+                                             "gbs", "pct_bw", "baseline"])
+    m = [r for r in rep.rows if r["kind"] == "machine"]
+    if m:
+        Report.print_table(_subset(rep, m), ["graph", "threads", "op", "gbs"])
+    t = [r for r in rep.rows if r["kind"] == "training"]
+    if t:
+        Report.print_table(_subset(rep, t), ["graph", "threads", "op", "cpu_opt_ms", "pyg_edge_index_ms",
+                                             "pyg_csr_ms", "speedup_vs_edge_index", "speedup_vs_csr"])
+    rep.save()
+    if not quick:
+        _charts(rep, max(threads))
+    return rep
+
+
+def _subset(rep: Report, rows):
+    sub = copy.copy(rep)
+    sub.rows = rows
+    return sub
