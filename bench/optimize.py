@@ -305,9 +305,43 @@ def main(quick: bool = False, argv=None) -> Report:
                 r = next((r for r in rep.rows if r["model"] == m and r["batch"] == b and r["impl"] == impl), None)
                 vals.append((r or {}).get("vs_eager_fp32") or 0.0)
         series[impl] = vals
-    bar_chart(RESULTS_DIR / f"{name}.png", labels, series, ylabel="speedup vs eager fp32 (x)",
-              title=f"{name}: speedup vs eager fp32, threads={rep.meta['threads']} ({size} models)")
+    speedup_chart(RESULTS_DIR / f"{name}.png", labels, series,
+                  title=f"{name}: speedup vs eager fp32, threads={rep.meta['threads']} ({size} models)")
     return rep
+
+
+def speedup_chart(path, labels: list[str], series: dict[str, list[float]], *, title: str):
+    """Grouped bars on a log axis (speedups here span 0.05x-50x), one group per model/batch, a
+    line at 1x; failed implementations have no bar. runner.bar_chart's figure grows with
+    groups x series and gets unreadable at 14 x 6, so this one has a bounded width."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return bar_chart(path, labels, series, ylabel="speedup vs eager fp32 (x)", title=title, log=True)
+    import numpy as np
+
+    x = np.arange(len(labels))
+    w = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(min(18, max(7, 0.9 * len(labels) + 2)), 4.8))
+    for i, (impl, vals) in enumerate(series.items()):
+        v = np.array([val if val and val > 0 else np.nan for val in vals])
+        ax.bar(x + (i - (len(series) - 1) / 2) * w, v, w, label=impl)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("speedup vs eager fp32 (x, log)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(axis="y", alpha=0.3, which="both")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
 
 
 if __name__ == "__main__":
