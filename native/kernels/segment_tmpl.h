@@ -18,6 +18,10 @@ int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
     if (b >= 0) { if (bad_pos) *bad_pos = b; return CO_ERR_INDEX_OUT_OF_RANGE; }
 
     const int is_arg = (reduce == CO_RED_MAX || reduce == CO_RED_MIN);
+    /* max/min keep the winner relative to the row start in int32: refuse longer rows */
+    if (is_arg)
+        for (int64_t r = 0; r < n_rows; ++r)
+            if (rowptr[r + 1] - rowptr[r] > INT32_MAX) return CO_ERR_BAD_ARGUMENT;
     const int inc = include_self ? 1 : 0;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nnz * F > 32768)
@@ -26,7 +30,7 @@ int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
         const int64_t r0 = KFN(balanced_row_start)(rowptr, n_rows, t, nt);
         const int64_t r1 = KFN(balanced_row_start)(rowptr, n_rows, t + 1, nt);
         CO_ACC *acc = (CO_ACC *)malloc((size_t)(F + 1) * sizeof(CO_ACC));
-        int64_t *ab = (int64_t *)malloc((size_t)(F + 1) * sizeof(int64_t));
+        int32_t *ab = (int32_t *)malloc((size_t)(F + 1) * sizeof(int32_t)); /* winner, relative to the row start */
         if (!acc || !ab) {
 #pragma omp atomic write
             failed = 1;
@@ -81,6 +85,7 @@ int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
                     for (int64_t j = 0; j < F; ++j) ab[j] = -1;
                     const int is_max = reduce == CO_RED_MAX;
                     for (int64_t e = s; e < end; ++e) {
+                        const int32_t rel = (int32_t)(e - s);
                         if (e + 4 < end) {
                             const char *p = (const char *)(x + (int64_t)col[e + 4] * F);
                             for (int64_t k = 0; k < F * (int64_t)sizeof(CO_T); k += 64) __builtin_prefetch(p + k);
@@ -92,21 +97,21 @@ int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
                                 const CO_ACC v = w * CO_LOAD(xr[j]);
                                 const int take = (v > acc[j]) | (v != v); /* NaN propagates */
                                 acc[j] = take ? v : acc[j];
-                                ab[j] = take ? e : ab[j];
+                                ab[j] = take ? rel : ab[j];
                             }
                         } else {
                             for (int64_t j = 0; j < F; ++j) {
                                 const CO_ACC v = w * CO_LOAD(xr[j]);
                                 const int take = (v < acc[j]) | (v != v);
                                 acc[j] = take ? v : acc[j];
-                                ab[j] = take ? e : ab[j];
+                                ab[j] = take ? rel : ab[j];
                             }
                         }
                     }
                     if (arg && arg_is_col)
-                        for (int64_t j = 0; j < F; ++j) arg[r * F + j] = ab[j] >= 0 ? (int64_t)col[ab[j]] : -1;
+                        for (int64_t j = 0; j < F; ++j) arg[r * F + j] = ab[j] >= 0 ? (int64_t)col[s + ab[j]] : -1;
                     else if (arg)
-                        for (int64_t j = 0; j < F; ++j) arg[r * F + j] = ab[j];
+                        for (int64_t j = 0; j < F; ++j) arg[r * F + j] = ab[j] >= 0 ? s + ab[j] : -1;
                 }
                 (void)is_arg;
                 for (int64_t j = 0; j < F; ++j) o[j] = CO_STORE(acc[j]);
