@@ -6,6 +6,10 @@
 
 ``python -m cpu_opt info`` prints what was detected and where each kind of work is routed.
 """
+# First, before anything imports torch: on aarch64 this applies the CPU_OPT_* start-up opt-ins
+# (DNNL_DEFAULT_FPMATH_MODE must be in the environment before torch loads oneDNN). No torch here.
+from . import graviton as _graviton  # noqa: E402,F401
+
 __version__ = "0.1.0"
 
 

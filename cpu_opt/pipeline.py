@@ -301,9 +301,15 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     dt = _resolve_dtype(dtype)
     info = hw.detect()
     if info.arch == "aarch64":
-        from . import graviton
+        # aarch64: ACL through torch's own oneDNN; cpu_opt's binding and native kernels are not
+        # used there (no oneDNN wheel for aarch64).
+        from .graviton import optimize_for_arm
 
-        return graviton.optimize_for_arm(model, example_inputs, dtype=dtype)
+        arm = optimize_for_arm(model, example_inputs, dtype={"auto": "auto", "fp32": "float32",
+                                                             "bf16": "bfloat16"}[dtype])
+        if verbose:
+            print(arm.report())
+        return arm
     args, kwargs = flatten_inputs(example_inputs)
     was_training = model.training
     model.eval()
