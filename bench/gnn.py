@@ -217,7 +217,7 @@ def main(quick: bool = False, argv=None):
     args = p.parse_args(argv or [])
     threads = [int(t) for t in args.threads.split(",")]
     n, e, f = (20_000, 200_000, 64) if quick else (100_000, 1_000_000, 64)
-    repeats, max_s = (3, 5.0) if quick else (7, 40.0)
+    repeats, max_s = (3, 5.0) if quick else (5, 20.0)
     old = torch.get_num_threads()
     rep = Report("gnn" if not quick else "gnn_quick", nodes=n, edges=e, features=f,
                  torch_scatter="not measured: builds from source only (7-15 min of both cores); slower than torch when tried")
