@@ -125,6 +125,7 @@ def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbo
     from .runtime import build_program
 
     t0 = time.perf_counter()
+    _propagate_shapes(gm, flat_in)
     log = passes.run_passes(gm)
     progress.step("passes")
     if dtype == "bf16":
@@ -180,6 +181,7 @@ class OptimizedModule(torch.nn.Module):
         self.dtype = dtype
         self._options = options
         self._validation = None
+        self._autotune = None
         self._lock = __import__("threading").Lock()
 
     # ------------------------------------------------------------------ calling
@@ -212,6 +214,16 @@ class OptimizedModule(torch.nn.Module):
             if sig in self._plans:
                 return self._plans[sig]
             model = self._model[0]
+            if self._options.get("pristine") is not None:
+                gm = copy.deepcopy(self._options["pristine"])
+                try:
+                    plan = _build_plan(gm, flat, self.dtype, self._options["out_dtypes"], False,
+                                       Progress(False, 4, ""), use_onednn=self._options["use_onednn"])
+                except Exception as e:  # noqa: BLE001
+                    raise CpuOptError(f"new input shapes {[s for s, _ in sig]}: re-planning the dynamic "
+                                      f"graph failed: {e}") from e
+                self._plans[sig] = plan
+                return plan
             try:
                 cap = capture(model, args if not kwargs else kwargs, dynamic_shapes=None) if not kwargs or args \
                     else capture(model, kwargs)
@@ -250,6 +262,7 @@ class OptimizedModule(torch.nn.Module):
             "shapes_compiled": len(self._plans),
             "optimize_seconds": round(plan.seconds, 3),
             "validation": self._validation,
+            "autotune": self._autotune,
             "routes": {w: routing.route(w, self.dtype).backend for w in ("gemm", "conv", "attention")},
         }
 
@@ -284,15 +297,62 @@ def _compare(out, ref, dtype: str) -> dict:
     return {"ok": ok, "max_rel_err": rel, "min_cosine": cos}
 
 
+def _dynamic_shapes(example_inputs, dynamic):
+    """``dynamic=True``: every dimension of every input tensor is dynamic (torch.export's AUTO)."""
+    if not dynamic:
+        return None
+    if dynamic is not True:
+        return dynamic  # the user's own torch.export dynamic_shapes spec
+    auto = torch.export.Dim.AUTO
+
+    def spec(t):
+        return {i: auto for i in range(t.dim())} if isinstance(t, torch.Tensor) else None
+
+    args, kwargs = flatten_inputs(example_inputs)
+    if kwargs:
+        return {k: spec(v) for k, v in kwargs.items()}
+    return tuple(spec(a) for a in args)
+
+
+def _median_seconds(fn, repeats: int = 5) -> float:
+    ts = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts[1:])[len(ts[1:]) // 2]
+
+
+def _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options) -> OptimizedModule:
+    """Measure the oneDNN plan against the same captured graph run entirely in torch, on the
+    example inputs, and keep the faster one (the report says which, with both times)."""
+    cap2 = capture(model, example_inputs)
+    opts2 = dict(options, use_onednn=False)
+    plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False)
+    alt = OptimizedModule(model, cap2, plan2, dt, flat_in, opts2)
+    args, kwargs = flatten_inputs(example_inputs)
+    t_onednn = _median_seconds(lambda: opt(*args, **kwargs))
+    t_torch = _median_seconds(lambda: alt(*args, **kwargs))
+    chosen = opt if t_onednn <= t_torch else alt
+    chosen._validation = opt._validation
+    chosen._autotune = {"onednn_ms": round(t_onednn * 1e3, 3), "torch_ms": round(t_torch * 1e3, 3),
+                        "chosen": "onednn" if chosen is opt else "torch"}
+    return chosen
+
+
 def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dynamic=None, autotune: bool = False,
              verbose: bool = False, validate: bool = True) -> OptimizedModule:
     """Optimize ``model`` for this CPU.
 
     ``example_inputs``: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
     ``dtype``: ``"auto"`` (bf16 where the CPU has native bf16 math, else fp32), ``"fp32"``,
-    ``"bf16"``. ``dynamic``: accepted for API compatibility; new shapes are compiled on first
-    use (the primitive cache makes repeated shapes free). ``autotune``: reserved (routes come
-    from the routing table). ``verbose``: print progress and the report. ``validate``: compare
+    ``"bf16"``. ``dynamic``: ``True`` captures once with every input dimension dynamic (give
+    example sizes > 1: torch.export specializes sizes 0 and 1), so a
+    new shape only re-plans (no new ``torch.export``); otherwise a new shape is re-captured on
+    its first call. Either way each new shape compiles its partitions once (cached after).
+    ``autotune``: ``False`` takes routes from the routing table; ``True`` also times the oneDNN
+    plan against the same graph run in torch on the example inputs and keeps the faster.
+    ``verbose``: print progress and the report. ``validate``: compare
     with eager on the example inputs and fall back to torch for the whole graph if the result
     differs (fp32: 1e-3 relative; bf16: cosine 0.99) — never silently wrong.
     """
@@ -317,13 +377,14 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        captured = capture(model, example_inputs)
+        captured = capture(model, example_inputs, dynamic_shapes=_dynamic_shapes(example_inputs, dynamic))
     progress.step("capture")
     flat_in = pytree.tree_leaves((args, kwargs))
     with torch.no_grad():
         ref = model(*args, **kwargs)
     out_dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(ref)]
-    options = {"out_dtypes": out_dtypes, "use_onednn": True}
+    options = {"out_dtypes": out_dtypes, "use_onednn": True, "dynamic": bool(dynamic),
+               "pristine": copy.deepcopy(captured.gm) if dynamic else None}
     plan = _build_plan(captured.gm, flat_in, dt, out_dtypes, verbose, progress)
     opt = OptimizedModule(model, captured, plan, dt, flat_in, options)
     if validate:
@@ -337,6 +398,8 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
             opt = OptimizedModule(model, cap2, plan2, dt, flat_in, options)
             res["fell_back"] = "outputs differed from eager; the whole graph now runs in torch"
         opt._validation = res
+    if autotune and opt._base_plan.steps:
+        opt = _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options)
     progress.done()
     opt._base_plan.seconds = time.perf_counter() - t0
     if was_training:

@@ -138,3 +138,30 @@ def test_torch_compile_backend():
     c = torch.compile(m, backend="cpu_opt")
     with torch.no_grad():
         assert _close(c(x), m(x))
+
+
+def test_autotune_measures_both_plans_and_keeps_one():
+    m = Block().eval()
+    x = torch.randn(2, 3, 8, 8)
+    opt = cpu_opt.optimize(m, x, dtype="fp32", autotune=True)
+    at = opt.report()["autotune"]
+    assert at["chosen"] in ("onednn", "torch")
+    assert at["onednn_ms"] > 0 and at["torch_ms"] > 0
+    faster = "onednn" if at["onednn_ms"] <= at["torch_ms"] else "torch"
+    assert at["chosen"] == faster
+    assert (opt.report()["num_partitions"] > 0) == (faster == "onednn")
+    assert _close(opt(x), m(x).detach())
+
+
+def test_dynamic_reuses_the_capture_for_new_shapes(monkeypatch):
+    from cpu_opt import pipeline
+
+    m = Block().eval()
+    opt = cpu_opt.optimize(m, torch.randn(2, 3, 10, 10), dtype="fp32", dynamic=True)
+    calls = []
+    monkeypatch.setattr(pipeline, "capture", lambda *a, **k: calls.append(1) or (_ for _ in ()).throw(AssertionError))
+    for shape in [(3, 3, 10, 10), (2, 3, 14, 12)]:
+        x = torch.randn(*shape)
+        assert _close(opt(x), m(x).detach())
+    assert not calls  # no re-capture
+    assert opt.report()["shapes_compiled"] == 3
