@@ -141,6 +141,15 @@ def _check_tensor(t, name: str, dtypes=None, ndim=None):
 
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _checked_bias(bias, n: int, what: str):
+    if bias is None:
+        return None
+    _check_tensor(bias, "bias", FLOAT_DTYPES, 1)
+    if bias.numel() != n:
+        raise ValueError(f"bias has {bias.numel()} elements; the layer has {n} {what}")
+    return bias.contiguous()
 SRC_DTYPES = (torch.float32, torch.bfloat16, torch.uint8, torch.int8)
 
 
@@ -386,12 +395,7 @@ class InnerProduct:
         _check_tensor(weight, "weight", FLOAT_DTYPES, 2)
         self.OC, self.IC = weight.shape
         self.dtype = weight.dtype
-        if bias is not None:
-            _check_tensor(bias, "bias", FLOAT_DTYPES, 1)
-            if bias.numel() != self.OC:
-                raise ValueError(f"bias has {bias.numel()} elements; weight has {self.OC} output features")
-            bias = bias.contiguous()
-        self.bias = bias
+        self.bias = _checked_bias(bias, self.OC, "output features")
         self.post_ops = _post_ops(post_ops)
         if any(p.kind in ("add", "mul", "sum") for p in self.post_ops):
             raise ValueError("InnerProduct takes eltwise post-ops only; use Matmul for sum/add")
@@ -464,12 +468,7 @@ class Conv2d:
         if min(self.stride) < 1 or min(self.dilation) < 1 or min(self.padding) < 0:
             raise ValueError(f"bad conv geometry: stride {self.stride}, padding {self.padding}, dilation {self.dilation}")
         self.dtype = weight.dtype
-        if bias is not None:
-            _check_tensor(bias, "bias", FLOAT_DTYPES, 1)
-            if bias.numel() != self.O:
-                raise ValueError(f"bias has {bias.numel()} elements; the conv has {self.O} output channels")
-            bias = bias.contiguous()
-        self.bias = bias
+        self.bias = _checked_bias(bias, self.O, "output channels")
         self.post_ops = _post_ops(post_ops)
         w = weight.contiguous()
         if groups > 1:
