@@ -19,7 +19,7 @@ $(STAMP): $(PY) $(BUILD_INPUTS)
 setup: $(STAMP)
 
 demo: setup
-	$(PY) -m cpu_opt demo
+	$(PY) -m cpu_opt demo $(ARGS)
 
 info: setup
 	$(PY) -m cpu_opt info
