@@ -11,6 +11,9 @@ shared machine. Implementations:
   compile_bf16   the same, called under bf16 autocast
   cpu_opt_fp32   cpu_opt.optimize(model, example_inputs, dtype="fp32")
   cpu_opt_bf16   cpu_opt.optimize(model, example_inputs, dtype="bf16")
+  openvino_fp32  OpenVINO (convert_model from torch, INFERENCE_PRECISION_HINT f32, LATENCY),
+  openvino_bf16  the same with bf16 precision: the export-then-run runtime users pick instead
+                 (optional: pip install 'cpu_opt[compare]'; a missing package is an error row)
 
 An implementation that fails to build or to run (cpu_opt.optimize missing, an unsupported op, a
 compile error) gets its error string in the row instead of a time; the others still run.
@@ -40,7 +43,8 @@ import torch
 from bench.runner import RESULTS_DIR, Report, bar_chart, gemm_peak_gflops, machine_peaks, measure
 from cpu_opt.models import ZOO, ModelSpec
 
-IMPLS = ("eager_fp32", "eager_bf16", "compile_fp32", "compile_bf16", "cpu_opt_fp32", "cpu_opt_bf16")
+IMPLS = ("eager_fp32", "eager_bf16", "compile_fp32", "compile_bf16", "cpu_opt_fp32", "cpu_opt_bf16",
+         "openvino_fp32", "openvino_bf16")
 
 
 def _dtype(impl: str) -> str:
@@ -92,6 +96,42 @@ def cpu_opt_optimize(model: torch.nn.Module, example_inputs, dtype: str) -> Call
     return optimize(model, example_inputs, dtype=dtype)
 
 
+def openvino_compile(model: torch.nn.Module, example_inputs, dtype: str) -> Callable:
+    """The runtime users pick instead: OpenVINO, converted straight from torch (optional
+    dependency: pip install 'cpu_opt[compare]'). Returns a callable taking the zoo's inputs."""
+    import openvino as ov
+    import torch.utils._pytree as pytree
+
+    names = list(example_inputs) if isinstance(example_inputs, dict) else None
+
+    class _Positional(torch.nn.Module):
+        """OpenVINO traces positional inputs and tuple outputs: adapt dict inputs and
+        dataclass outputs (as users must when exporting Hugging Face models)."""
+
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, *args):
+            out = self.m(**dict(zip(names, args))) if names else self.m(*args)
+            return tuple(t for t in pytree.tree_leaves(out.to_tuple() if hasattr(out, "to_tuple") else out)
+                         if torch.is_tensor(t))
+
+    args = tuple(example_inputs[k] for k in names) if names else tuple(example_inputs)
+    with torch.no_grad():
+        ovm = ov.convert_model(_Positional(model).eval(), example_input=args)
+    cfg = {"INFERENCE_PRECISION_HINT": "f32" if dtype == "fp32" else "bf16", "PERFORMANCE_HINT": "LATENCY",
+           "INFERENCE_NUM_THREADS": torch.get_num_threads()}
+    compiled = ov.Core().compile_model(ovm, "CPU", cfg)
+
+    def run(*args, **kwargs):
+        feed = [kwargs[k].numpy() for k in names] if kwargs else [a.numpy() for a in args]
+        res = compiled(feed)
+        return torch.from_numpy(res[compiled.outputs[0]].copy())
+
+    return run
+
+
 @dataclass
 class Prepared:
     fn: Callable[[], object] | None   # one forward call, ready to time
@@ -119,6 +159,8 @@ def prepare(impl: str, spec: ModelSpec, model: torch.nn.Module, inputs) -> Prepa
             target = torch.compile(model, backend="inductor", dynamic=False)
         elif family == "cpu_opt":
             target = cpu_opt_optimize(model, inputs, dtype)
+        elif family == "openvino":
+            target = openvino_compile(model, inputs, dtype)
         else:
             raise ValueError(f"unknown implementation {impl!r}")
         build_s = time.perf_counter() - t0
