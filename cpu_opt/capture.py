@@ -67,15 +67,19 @@ def _flat_module(gm: torch.fx.GraphModule, in_spec, out_spec) -> torch.fx.GraphM
     return gm
 
 
-def capture(model: torch.nn.Module, example_inputs, *, dynamic_shapes=None) -> Captured:
+def capture(model: torch.nn.Module, example_inputs, *, dynamic_shapes=None, eager_output=None) -> Captured:
+    """``eager_output``: the model's output on these inputs, when the caller already has it
+    (saves one forward pass)."""
     args, kwargs = flatten_inputs(example_inputs)
     flat_in, in_spec = pytree.tree_flatten((args, kwargs))
     if not all(isinstance(t, torch.Tensor) for t in flat_in):
         bad = [type(t).__name__ for t in flat_in if not isinstance(t, torch.Tensor)]
         raise TypeError(f"example inputs must be tensors (in tuples/dicts); got {bad}")
     notes = []
-    with torch.no_grad():
-        out = model(*args, **kwargs)
+    if eager_output is None:
+        with torch.no_grad():
+            eager_output = model(*args, **kwargs)
+    out = eager_output
     flat_out, out_spec = pytree.tree_flatten(out)
     try:
         with warnings.catch_warnings():

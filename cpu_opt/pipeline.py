@@ -120,12 +120,13 @@ class Plan:
 
 
 def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbose: bool, progress: Progress,
-                use_onednn: bool = True) -> Plan:
+                use_onednn: bool = True, shapes_known: bool = True) -> Plan:
     from .lowering import lower
     from .runtime import build_program
 
     t0 = time.perf_counter()
-    _propagate_shapes(gm, flat_in)
+    if not shapes_known:  # a re-plan of a dynamic capture for new input shapes
+        _propagate_shapes(gm, flat_in)
     log = passes.run_passes(gm)
     progress.step("passes")
     if dtype == "bf16":
@@ -164,9 +165,11 @@ def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbo
     else:
         program, steps = gm, []
     with torch.no_grad():
-        program(*flat_in)  # compile every partition for these shapes, allocate buffers
+        first = program(*flat_in)  # compiles every partition for these shapes, allocates buffers
     progress.step("compile partitions")
-    return Plan(program, steps, lowered, log, time.perf_counter() - t0)
+    plan = Plan(program, steps, lowered, log, time.perf_counter() - t0)
+    plan.first_output = first if shapes_known else None
+    return plan
 
 
 class OptimizedModule(torch.nn.Module):
@@ -218,7 +221,8 @@ class OptimizedModule(torch.nn.Module):
                 gm = copy.deepcopy(self._options["pristine"])
                 try:
                     plan = _build_plan(gm, flat, self.dtype, self._options["out_dtypes"], False,
-                                       Progress(False, 4, ""), use_onednn=self._options["use_onednn"])
+                                       Progress(False, 4, ""), use_onednn=self._options["use_onednn"],
+                                       shapes_known=False)
                 except Exception as e:  # noqa: BLE001
                     raise CpuOptError(f"new input shapes {[s for s, _ in sig]}: re-planning the dynamic "
                                       f"graph failed: {e}") from e
@@ -231,6 +235,7 @@ class OptimizedModule(torch.nn.Module):
                 raise CpuOptError(f"new input shapes {[s for s, _ in sig]}: re-capture failed: {e}") from e
             plan = _build_plan(cap.gm, flat, self.dtype, self._options["out_dtypes"], False, Progress(False, 4, ""),
                                use_onednn=self._options["use_onednn"])
+            plan.first_output = None
             self._plans[sig] = plan
             return plan
 
@@ -375,24 +380,26 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     model.eval()
     progress = Progress(verbose, 5, f"cpu_opt.optimize({type(model).__name__})")
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        captured = capture(model, example_inputs, dynamic_shapes=_dynamic_shapes(example_inputs, dynamic))
-    progress.step("capture")
-    flat_in = pytree.tree_leaves((args, kwargs))
     with torch.no_grad():
         ref = model(*args, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(model, example_inputs, dynamic_shapes=_dynamic_shapes(example_inputs, dynamic),
+                           eager_output=ref)
+    progress.step("capture")
+    flat_in = pytree.tree_leaves((args, kwargs))
     out_dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(ref)]
     options = {"out_dtypes": out_dtypes, "use_onednn": True, "dynamic": bool(dynamic),
                "pristine": copy.deepcopy(captured.gm) if dynamic else None}
     plan = _build_plan(captured.gm, flat_in, dt, out_dtypes, verbose, progress)
     opt = OptimizedModule(model, captured, plan, dt, flat_in, options)
     if validate:
-        out = opt(*args, **kwargs)
+        out = pytree.tree_unflatten(list(plan.first_output), captured.out_spec)
         res = _compare(out, ref, dt)
+        del out
         if not res["ok"]:
             # never silently wrong: rebuild without oneDNN and say so
-            cap2 = capture(model, example_inputs)
+            cap2 = capture(model, example_inputs, eager_output=ref)
             options["use_onednn"] = False
             plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False)
             opt = OptimizedModule(model, cap2, plan2, dt, flat_in, options)
@@ -402,6 +409,8 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
         opt = _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options)
     progress.done()
     opt._base_plan.seconds = time.perf_counter() - t0
+    for p in opt._plans.values():
+        p.first_output = None  # do not keep the example's outputs alive
     if was_training:
         model.train()
     if verbose:
