@@ -24,8 +24,11 @@ demo: setup
 info: setup
 	$(PY) -m cpu_opt info
 
+# tests/graviton/arm64 are aarch64-only: on other machines `make test-arm64` runs them under QEMU.
+ARM64_ONLY := $(if $(filter aarch64 arm64,$(shell uname -m)),,--ignore=tests/graviton/arm64)
+
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests $(ARM64_ONLY)
 
 bench: setup
 	$(PY) -m bench
