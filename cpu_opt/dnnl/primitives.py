@@ -171,6 +171,15 @@ class _PackedWeights:
         return buf
 
 
+def _matmul_primitive(src_md, w_md, b_md, dst_md, attr: "_Attr", what: str) -> Compiled:
+    pd = L.ffi().new("dnnl_primitive_desc_t *")
+    L.check(L.lib().dnnl_matmul_primitive_desc_create(pd, L.engine(), src_md.handle, w_md.handle,
+                                                      b_md.handle if b_md is not None else L.ffi().NULL,
+                                                      dst_md.handle, attr.handle),
+            "dnnl_matmul_primitive_desc_create", what)
+    return Compiled(pd[0], what)
+
+
 def _post_op_key(post_ops):
     return tuple((p.kind, p.scale, tuple(p.shape), str(p.dtype)) for p in post_ops)
 
@@ -259,12 +268,8 @@ class Matmul:
         if self.src_zp is not None:
             zps[l.DNNL_ARG_SRC] = 0
         attr = _Attr(self.post_ops, scales, zps, dst_ndims=2)
-        pd = L.ffi().new("dnnl_primitive_desc_t *")
-        what = f"matmul {M}x{self.K}x{self.N} {self.src_dtype}->{self.dst_dtype}"
-        L.check(l.dnnl_matmul_primitive_desc_create(pd, L.engine(), src_md.handle, w_md.handle,
-                                                    b_md.handle if b_md else L.ffi().NULL, dst_md.handle,
-                                                    attr.handle), "dnnl_matmul_primitive_desc_create", what)
-        comp = Compiled(pd[0], what)
+        comp = _matmul_primitive(src_md, w_md, b_md, dst_md, attr,
+                                 f"matmul {M}x{self.K}x{self.N} {self.src_dtype}->{self.dst_dtype}")
         args = [(l.DNNL_ARG_SRC, src_md), (l.DNNL_ARG_WEIGHTS, comp.query_md("weights")), (l.DNNL_ARG_DST, dst_md)]
         if b_md is not None:
             args.append((l.DNNL_ARG_BIAS, b_md))
@@ -364,12 +369,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         a_md, b_md, d_md = MemoryDesc.of(a), MemoryDesc.of(b), MemoryDesc.strided(dst_shape, a.dtype)
         bias_md = None if bias is None else MemoryDesc.of(bias)
         attr = _Attr(post_ops, dst_ndims=len(dst_shape))
-        pd = L.ffi().new("dnnl_primitive_desc_t *")
-        what = f"matmul {tuple(a.shape)}x{tuple(b.shape)} {a.dtype}"
-        L.check(l.dnnl_matmul_primitive_desc_create(pd, L.engine(), a_md.handle, b_md.handle,
-                                                    bias_md.handle if bias_md else L.ffi().NULL, d_md.handle,
-                                                    attr.handle), "dnnl_matmul_primitive_desc_create", what)
-        comp = Compiled(pd[0], what)
+        comp = _matmul_primitive(a_md, b_md, bias_md, d_md, attr, f"matmul {tuple(a.shape)}x{tuple(b.shape)} {a.dtype}")
         args = [(l.DNNL_ARG_SRC, a_md), (l.DNNL_ARG_WEIGHTS, b_md), (l.DNNL_ARG_DST, d_md)]
         if bias_md is not None:
             args.append((l.DNNL_ARG_BIAS, bias_md))
