@@ -11,6 +11,7 @@ copies, and reuses its output buffers across calls unless they can escape to the
 from __future__ import annotations
 
 import operator
+import threading
 
 import torch
 import torch.fx
@@ -34,7 +35,7 @@ class PartitionStep:
         self.reuse = reuse_outputs
         self.channels_last_out = channels_last_out
         self._compiled: dict = {}
-        self._buffers: dict = {}
+        self._tls = threading.local()   # reused output buffers: per thread, so concurrent calls never share
         self.__name__ = f"onednn_partition_{index}"
 
     def _compile(self, inputs):
@@ -60,10 +61,13 @@ class PartitionStep:
         cp = self._compiled.get(sig)
         if cp is None:
             cp = self._compiled[sig] = self._compile(inputs)
-        bufs = self._buffers.get(sig)
+        per_thread = getattr(self._tls, "buffers", None)
+        if per_thread is None:
+            per_thread = self._tls.buffers = {}
+        bufs = per_thread.get(sig)
         if bufs is None:
             outs = cp.new_outputs()
-            self._buffers[sig] = [b if r else None for b, r in zip(outs, self.reuse)]
+            per_thread[sig] = [b if r else None for b, r in zip(outs, self.reuse)]
         else:
             outs = [b if b is not None else torch.empty_strided(lt.shape, lt.strides, dtype=lt.dtype)
                     for b, lt in zip(bufs, cp.outputs)]

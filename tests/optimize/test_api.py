@@ -165,3 +165,27 @@ def test_dynamic_reuses_the_capture_for_new_shapes(monkeypatch):
         assert _close(opt(x), m(x).detach())
     assert not calls  # no re-capture
     assert opt.report()["shapes_compiled"] == 3
+
+
+def test_concurrent_calls_from_threads_agree_with_eager():
+    import threading
+
+    m = Block().eval()
+    opt = cpu_opt.optimize(m, torch.randn(2, 3, 8, 8), dtype="fp32")
+    xs = [torch.randn(2, 3, 8, 8) for _ in range(4)]
+    refs = [m(x).detach() for x in xs]
+    errors = []
+
+    def worker(i):
+        try:
+            for _ in range(25):
+                assert _close(opt(xs[i]), refs[i])
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
