@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 

@@ -128,8 +128,6 @@ def _fx_capture(model, args, kwargs, flat_in) -> torch.fx.GraphModule:
 def _propagate_shapes(gm: torch.fx.GraphModule, flat_in) -> None:
     """Run the graph once on the real example inputs, recording a real tensor's metadata in
     ``node.meta['val']`` (shapes, strides, dtypes) where export left none or fake ones."""
-    from torch.fx.passes.shape_prop import ShapeProp
-
     with torch.no_grad():
         interp = _MetaRecorder(gm)
         interp.run(*flat_in)

@@ -412,15 +412,16 @@ def _flatten(a):
 
 
 def _target_name(n) -> str:
+    """``aten.cumsum.default`` for ATen ops, the function name otherwise."""
     t = n.target
-    return getattr(t, "__name__", None) and str(t) if hasattr(t, "_schema") else getattr(t, "__name__", str(t))
+    return str(t) if hasattr(t, "_schema") else getattr(t, "__name__", str(t))
 
 
 def _wildcard(ctx: Ctx, n: torch.fx.Node) -> None:
     """Tell oneDNN about a node it will not run: its tensor inputs and outputs."""
-    ins = [ctx.lt(a) for a in dict.fromkeys(_tensor_args(n)) if a.op != "get_attr" or True]
     if n.target is operator.getitem:
         return  # its output lt is an output of the producer's wildcard
+    ins = [ctx.lt(a) for a in dict.fromkeys(_tensor_args(n))]
     v = _val(n)
     outs = []
     if isinstance(v, torch.Tensor):

@@ -7,8 +7,8 @@ fused, what fell back to torch and why, the route of each partition, and the dty
 from __future__ import annotations
 
 import copy
-import operator
 import sys
+import threading
 import time
 import warnings
 
@@ -185,7 +185,7 @@ class OptimizedModule(torch.nn.Module):
         self._options = options
         self._validation = None
         self._autotune = None
-        self._lock = __import__("threading").Lock()
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ calling
     def forward(self, *args, **kwargs):
@@ -205,7 +205,6 @@ class OptimizedModule(torch.nn.Module):
         return pytree.tree_unflatten(list(out), self._captured.out_spec)
 
     def _new_shape(self, args, kwargs, flat, sig) -> Plan:
-        base = self._plans[next(iter(self._plans))]
         old = next(iter(self._plans))
         for i, ((shape, dt), (oshape, odt)) in enumerate(zip(sig, old)):
             if len(shape) != len(oshape):

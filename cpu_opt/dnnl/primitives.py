@@ -20,7 +20,7 @@ import torch
 
 from . import lib as L
 from .cache import CACHE
-from .memory import TORCH_TO_DNNL, BorrowedDesc, MemoryDesc, ThreadSlots, dnnl_dtype, empty_for, memory, set_handle
+from .memory import TORCH_TO_DNNL, BorrowedDesc, MemoryDesc, ThreadSlots, empty_for, memory, set_handle
 
 ELTWISE = {
     # name: (alg kind, alpha, beta)
