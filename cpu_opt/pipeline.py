@@ -228,8 +228,8 @@ class OptimizedModule(torch.nn.Module):
                 self._plans[sig] = plan
                 return plan
             try:
-                cap = capture(model, args if not kwargs else kwargs, dynamic_shapes=None) if not kwargs or args \
-                    else capture(model, kwargs)
+                # example inputs are either positional or keyword (flatten_inputs), never both
+                cap = capture(model, kwargs if kwargs else args)
             except CaptureError as e:
                 raise CpuOptError(f"new input shapes {[s for s, _ in sig]}: re-capture failed: {e}") from e
             plan = _build_plan(cap.gm, flat, self.dtype, self._options["out_dtypes"], False, Progress(False, 4, ""),
