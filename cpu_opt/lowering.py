@@ -347,6 +347,7 @@ class LoweredGraph:
     views: list                            # fx nodes run as torch views
     attention: list                        # (fx node, route)
     ctx: Ctx
+    routed: list = field(default_factory=list)  # (fx node, (backend, why)): sent elsewhere by routing
 
 
 def _tensor_args(n: torch.fx.Node) -> list[torch.fx.Node]:
@@ -357,10 +358,15 @@ def lower(gm: torch.fx.GraphModule, dtype: str) -> LoweredGraph:
     """Build the oneDNN graph for ``gm`` and partition it."""
     g = G.Graph()
     ctx = Ctx(gm, g, dtype)
-    fallbacks, views, attention = {}, [], []
+    fallbacks, views, attention, routed = {}, [], [], []
     routes = {w: routing.route(w, dtype) for w in ("gemm", "conv", "attention")}
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr"):
+            continue
+        chosen = n.meta.get("cpu_opt_route")
+        if chosen is not None and chosen[0] != "onednn":
+            routed.append((n, chosen))  # passes.route_linears sent it to another backend
+            _wildcard(ctx, n)
             continue
         if n.op == "output":
             outs = [a for a in _flatten(n.args[0]) if isinstance(a, torch.fx.Node) and _is_tensor(a) and _ok_dtype(_val(a))]
@@ -400,7 +406,7 @@ def lower(gm: torch.fx.GraphModule, dtype: str) -> LoweredGraph:
                 fallbacks.setdefault(nd, "oneDNN returned this op in an unsupported partition")
             continue
         parts.append((p, nodes))
-    return LoweredGraph(parts, fallbacks, views, attention, ctx)
+    return LoweredGraph(parts, fallbacks, views, attention, ctx, routed)
 
 
 def _flatten(a):

@@ -9,6 +9,9 @@ Each pass takes a GraphModule, rewrites it in place and returns a short log of w
   of its weights and bias
 * :func:`fold_constants` — nodes computed only from parameters/buffers are computed once
 * :func:`cast_params` — floating parameters and buffers converted once (bf16)
+* :func:`route_linears` — GEMMs on constant weights whose route is ``torch_onednn`` become calls to
+  torch's own oneDNN (``torch.ops.mkldnn._linear_pointwise``); with ``measure=True`` each weight
+  shape is timed on both backends and the faster wins
 """
 from __future__ import annotations
 
@@ -229,6 +232,121 @@ def cast_params(gm: torch.fx.GraphModule, dtype: torch.dtype) -> list[str]:
                 mod._buffers[name] = b.to(dtype)
                 n += 1
     return [f"cast {n} parameter/buffer tensor(s) to {dtype}"] if n else []
+
+
+TORCH_LINEAR = torch.ops.mkldnn._linear_pointwise.default
+
+
+def _linear_operands(gm, n):
+    """``(x, weight node, weight tensor, weight is (K, N), bias node)`` if ``n`` is an fp32 GEMM on a
+    constant 2-D weight (``linear``, ``addmm`` with a 1-D constant bias, ``mm``), else ``None``."""
+    if n.op != "call_function":
+        return None
+    if n.target == aten.linear.default:
+        x, w = n.args[:2]
+        b, kn = (n.args[2] if len(n.args) > 2 else None), False
+    elif n.target == aten.addmm.default:
+        if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+            return None
+        b, x, w = n.args[:3]
+        kn = True
+    elif n.target == aten.mm.default:
+        (x, w), b, kn = n.args[:2], None, True
+    else:
+        return None
+    vx = _val(x)
+    if not isinstance(w, torch.fx.Node) or w.op != "get_attr" or not isinstance(vx, torch.Tensor):
+        return None
+    if b is not None and (not isinstance(b, torch.fx.Node) or b.op != "get_attr"):
+        return None
+    try:
+        wt, bt = _get_param(gm, w), _get_param(gm, b)
+    except _NotFoldable:
+        return None
+    if vx.dtype != torch.float32 or wt.dtype != torch.float32 or wt.dim() != 2 or vx.dim() < 2:
+        return None
+    if bt is not None and (bt.dim() != 1 or bt.dtype != torch.float32):
+        return None
+    return x, w, wt, kn, b
+
+
+_LINEAR_TIMES: dict = {}
+
+
+def measure_linear(m: int, k: int, n: int, bias: bool, repeats: int = 7) -> dict:
+    """Median seconds of ``(m, k) @ (k, n)`` on cpu_opt's oneDNN 3.2 (packed weights) and on torch's
+    oneDNN (``_linear_pointwise``), interleaved on the same random tensors; cached per shape."""
+    key = (m, k, n, bias, torch.get_num_threads())
+    if key in _LINEAR_TIMES:
+        return _LINEAR_TIMES[key]
+    import time
+
+    from .dnnl.primitives import Matmul
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    ours = Matmul.from_linear(w, b)
+    fns = {"onednn": lambda: ours(x), "torch_onednn": lambda: TORCH_LINEAR(x, w, b, "none", [], "")}
+    times = {name: [] for name in fns}
+    for f in fns.values():
+        f()  # create and pack outside the timing
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    _LINEAR_TIMES[key] = res = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    return res
+
+
+def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -> list[str]:
+    """Send fp32 GEMMs on constant weights to torch's own oneDNN where the routing table (or, with
+    ``measure``, a timing of both on this shape) says it is faster than cpu_opt's oneDNN 3.2.
+
+    A rerouted node becomes ``mkldnn._linear_pointwise(x, W, b)`` with ``W`` an (N, K) buffer, and
+    records its route and reason in ``node.meta["cpu_opt_route"]``."""
+    from . import routing
+
+    if dtype != "fp32":
+        return []
+    r = routing.route("linear", dtype)
+    if r.backend not in ("torch_onednn", "onednn"):
+        return []
+    moved = kept = 0
+    for n in list(gm.graph.nodes):
+        ops = _linear_operands(gm, n)
+        if ops is None:
+            continue
+        x, w, wt, kn, b = ops
+        w_nk = wt.t() if kn else wt
+        backend, why = r.backend, r.why
+        vx = _val(x)
+        if measure and vx.numel() > 0:
+            t = measure_linear(vx.numel() // vx.shape[-1], w_nk.shape[1], w_nk.shape[0], b is not None)
+            backend = min(t, key=t.get)
+            why = (f"measured on this shape: cpu_opt oneDNN {t['onednn'] * 1e3:.3f} ms, "
+                   f"torch's oneDNN {t['torch_onednn'] * 1e3:.3f} ms")
+        if backend != "torch_onednn":
+            n.meta["cpu_opt_route"] = ("onednn", why)
+            kept += 1
+            continue
+        w_node = _add_param(gm, w_nk, n, "linear_weight") if kn else w  # (K, N) weights: transposed once
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_function(TORCH_LINEAR, (x, w_node, b, "none", [], ""))
+        new.meta = dict(n.meta)
+        new.meta["cpu_opt_route"] = ("torch_onednn", why)
+        name = n.name
+        _replace(n, new)
+        new._rename(name)  # the report names the layer as the captured graph did
+        moved += 1
+    if not moved:
+        return []
+    gm.graph.eliminate_dead_code()
+    _drop_unused_attrs(gm)
+    gm.recompile()
+    how = "measured per shape" if measure else "routing table"
+    return [f"{moved} linear layer(s) on torch's oneDNN 3.12, {kept} on cpu_opt's oneDNN ({how})"]
 
 
 DEFAULT_PASSES = (drop_dropout, remove_noops, fold_batchnorm, fold_constants)

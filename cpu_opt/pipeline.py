@@ -120,7 +120,7 @@ class Plan:
 
 
 def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbose: bool, progress: Progress,
-                use_onednn: bool = True, shapes_known: bool = True) -> Plan:
+                use_onednn: bool = True, shapes_known: bool = True, measure: bool = False) -> Plan:
     from .lowering import lower
     from .runtime import build_program
 
@@ -139,6 +139,8 @@ def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbo
         log.append("convolution network: inputs and 4-D activations in channels-last")
     gm.recompile()
     _propagate_shapes(gm, flat_in)
+    if use_onednn:
+        log += passes.route_linears(gm, dtype, measure=measure)
     progress.step("shapes")
     lowered = None
     r = routing.route("gemm", dtype)
@@ -221,7 +223,7 @@ class OptimizedModule(torch.nn.Module):
                 try:
                     plan = _build_plan(gm, flat, self.dtype, self._options["out_dtypes"], False,
                                        Progress(False, 4, ""), use_onednn=self._options["use_onednn"],
-                                       shapes_known=False)
+                                       shapes_known=False, measure=self._options.get("autotune", False))
                 except Exception as e:  # noqa: BLE001
                     raise CpuOptError(f"new input shapes {[s for s, _ in sig]}: re-planning the dynamic "
                                       f"graph failed: {e}") from e
@@ -233,7 +235,7 @@ class OptimizedModule(torch.nn.Module):
             except CaptureError as e:
                 raise CpuOptError(f"new input shapes {[s for s, _ in sig]}: re-capture failed: {e}") from e
             plan = _build_plan(cap.gm, flat, self.dtype, self._options["out_dtypes"], False, Progress(False, 4, ""),
-                               use_onednn=self._options["use_onednn"])
+                               use_onednn=self._options["use_onednn"], measure=self._options.get("autotune", False))
             plan.first_output = None
             self._plans[sig] = plan
             return plan
@@ -242,7 +244,7 @@ class OptimizedModule(torch.nn.Module):
     def report(self) -> dict:
         plan = self._base_plan
         low = plan.lowered
-        parts, fallbacks, attention, views = [], [], [], 0
+        parts, fallbacks, attention, views, routed = [], [], [], 0, []
         if low is not None:
             for step in plan.steps:
                 p, nodes = low.partitions[step.index]
@@ -253,6 +255,7 @@ class OptimizedModule(torch.nn.Module):
                 fallbacks.append({"node": n.name, "op": str(n.target), "reason": why})
             attention = [{"node": n.name, "route": r.backend, "why": r.why} for n, r in low.attention]
             views = len(low.views)
+            routed = [{"node": n.name, "op": str(n.target), "route": b, "why": why} for n, (b, why) in low.routed]
         return {
             "dtype": self.dtype,
             "capture": self._captured.method,
@@ -261,13 +264,14 @@ class OptimizedModule(torch.nn.Module):
             "num_partitions": len(parts),
             "partitions": parts,
             "fallbacks": fallbacks,
+            "routed": routed,
             "attention": attention,
             "views_in_torch": views,
             "shapes_compiled": len(self._plans),
             "optimize_seconds": round(plan.seconds, 3),
             "validation": self._validation,
             "autotune": self._autotune,
-            "routes": {w: routing.route(w, self.dtype).backend for w in ("gemm", "conv", "attention")},
+            "routes": {w: routing.route(w, self.dtype).backend for w in ("gemm", "linear", "conv", "attention")},
         }
 
     def print_report(self) -> None:
@@ -280,6 +284,11 @@ class OptimizedModule(torch.nn.Module):
             print(f"  partition {p['id']}: {' + '.join(p['ops'])}")
         for a in r["attention"]:
             print(f"  attention {a['node']}: {a['route']}")
+        by_route: dict = {}
+        for x in r["routed"]:
+            by_route.setdefault(x["route"], []).append(x["node"])
+        for b, names in by_route.items():
+            print(f"  {len(names)} op(s) routed to {b}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}")
         if r["fallbacks"]:
             print(f"  {len(r['fallbacks'])} op(s) ran in torch:")
             for f in r["fallbacks"]:
@@ -388,9 +397,9 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     progress.step("capture")
     flat_in = pytree.tree_leaves((args, kwargs))
     out_dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(ref)]
-    options = {"out_dtypes": out_dtypes, "use_onednn": True, "dynamic": bool(dynamic),
+    options = {"out_dtypes": out_dtypes, "use_onednn": True, "dynamic": bool(dynamic), "autotune": bool(autotune),
                "pristine": copy.deepcopy(captured.gm) if dynamic else None}
-    plan = _build_plan(captured.gm, flat_in, dt, out_dtypes, verbose, progress)
+    plan = _build_plan(captured.gm, flat_in, dt, out_dtypes, verbose, progress, measure=bool(autotune))
     opt = OptimizedModule(model, captured, plan, dt, flat_in, options)
     if validate:
         out = pytree.tree_unflatten(list(plan.first_output), captured.out_spec)

@@ -7,6 +7,7 @@ reads :func:`cpu_opt.hw.detect`, so ``CPU_OPT_MAX_ISA`` changes the routes.
 Backends:
 ``onednn``        cpu_opt's own oneDNN binding (primitives / Graph API, weights packed once)
 ``torch``         PyTorch's own kernel for the op (MKL/oneDNN-inside-torch/ATen)
+``torch_onednn``  torch's own, newer oneDNN (3.12, linked into torch) through ``torch.ops.mkldnn._linear_pointwise``
 ``torch_flash``   torch's fused CPU flash-attention kernel (``scaled_dot_product_attention``)
 ``bf16_matmul_softmax``  attention as bf16 matmul -> softmax -> bf16 matmul
 ``fbgemm``        torch's x86 int8 engine (FBGEMM)
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 
 from . import hw
 
-WORK_KINDS = ("gemm", "conv", "attention", "gnn")
+WORK_KINDS = ("gemm", "linear", "conv", "attention", "gnn")
+# "gemm": any matmul the oneDNN graph takes; "linear": a GEMM against constant weights (nn.Linear, or
+# addmm/mm with a parameter), which can also run on torch's own oneDNN with the weights as they are.
 DTYPES = ("fp32", "bf16", "int8")
 
 
@@ -67,6 +70,19 @@ RULES: tuple[Rule, ...] = (
          f"without VNNI oneDNN's u8 x s8 pairs saturate in int16 (wrong for 8-bit activations; exact only for 7-bit); "
          f"FBGEMM with reduce_range is torch's x86 default; {HERE}", any_of=(frozenset({"avx2"}),)),
     Rule("gemm", "int8", "torch", "no AVX2: torch's reference quantized kernels"),
+    # ---------------------------------------------------------------- linear layers (constant weights)
+    Rule("linear", "fp32", "onednn", f"oneDNN 3.2's brgemm kernels need avx512_core; {ZEN5}", any_of=(AVX512,)),
+    Rule("linear", "fp32", "torch_onednn",
+         "pip oneDNN 3.2 has only gemm:jit:f32 on AVX2 while torch's oneDNN 3.12 has brg_matmul:avx2: "
+         "128x768x3072 took 10.4 ms vs 5.6 ms (2 threads, interleaved medians), other BERT shapes tie; end to end "
+         "BERT-base 1.21x and ViT-B/16 1.19x at batch 1 with every linear on torch's oneDNN (A/B in one process); "
+         "measured on this project's AMD Zen 3 (AVX2) machine", any_of=(frozenset({"avx2", "fma"}),)),
+    Rule("linear", "fp32", "torch", "no AVX2: torch's own kernels"),
+    Rule("linear", "bf16", "onednn", f"oneDNN 3.2 bf16 matmul with packed weights; {ZEN5}", any_of=BF16_HW),
+    Rule("linear", "bf16", "torch", f"no native bf16: emulated either way; {HERE}"),
+    Rule("linear", "int8", "onednn", "u8 x s8 with VNNI: oneDNN kernels (see gemm)", any_of=VNNI),
+    Rule("linear", "int8", "fbgemm", "without VNNI: FBGEMM with reduce_range (see gemm)", any_of=(frozenset({"avx2"}),)),
+    Rule("linear", "int8", "torch", "no AVX2: torch's reference quantized kernels"),
     # ---------------------------------------------------------------- convolution
     Rule("conv", "fp32", "onednn",
          "oneDNN NHWC convolution with packed weights and fused bias/sum/ReLU post-ops (one Graph partition, "
@@ -98,13 +114,13 @@ RULES: tuple[Rule, ...] = (
     # ---------------------------------------------------------------- aarch64 (no cpu_opt oneDNN binding there)
     *(Rule(w, "fp32", "acl", "Graviton: fp32 GEMM/conv on ACL through torch's oneDNN; bf16 fast-math when asked "
                              "(AWS: up to 3.5x ResNet-50, 1.4x BERT on Graviton3; not measured here)", arch="aarch64")
-      for w in ("gemm", "conv")),
+      for w in ("gemm", "linear", "conv")),
     *(Rule(w, "bf16", "acl", "ACL bf16 kernels on cores with BF16 (Neoverse V1/V2)", arch="aarch64",
-           any_of=(frozenset({"bf16"}),)) for w in ("gemm", "conv")),
+           any_of=(frozenset({"bf16"}),)) for w in ("gemm", "linear", "conv")),
     *(Rule(w, "bf16", "torch", "no BF16 instructions (Neoverse N1): torch's own path", arch="aarch64")
-      for w in ("gemm", "conv")),
+      for w in ("gemm", "linear", "conv")),
     *(Rule(w, "int8", "torch", "torch's quantized engine (qnnpack/onednn) on aarch64", arch="aarch64")
-      for w in ("gemm", "conv")),
+      for w in ("gemm", "linear", "conv")),
     Rule("attention", "fp32", "torch_flash", "torch's SDPA", arch="aarch64"),
     Rule("attention", "bf16", "torch_flash", "torch's SDPA", arch="aarch64"),
     Rule("gnn", "fp32", "native_base", "cpu_opt's C kernels (Neon via the compiler)", arch="aarch64"),

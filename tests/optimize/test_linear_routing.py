@@ -1,0 +1,126 @@
+"""Linear layers routed per the table (or per measurement) between cpu_opt's oneDNN 3.2 and
+torch's own oneDNN (passes.route_linears)."""
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import cpu_opt
+from cpu_opt import hw, passes, routing
+from cpu_opt.capture import capture
+
+FIX = Path(__file__).parent.parent / "fixtures" / "cpuinfo"
+
+
+class Mixed(nn.Module):
+    """nn.Linear, a GPT-2 style Conv1D (addmm with a (K, N) weight), mm with a parameter, and a
+    matmul of two activations (not a linear layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(24, 32)
+        self.w_kn = nn.Parameter(torch.randn(32, 40) / 6)
+        self.b_kn = nn.Parameter(torch.randn(40))
+        self.w_mm = nn.Parameter(torch.randn(40, 16) / 6)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))                                   # aten.linear
+        h = torch.addmm(self.b_kn, h.reshape(-1, 32), self.w_kn)     # aten.addmm, weight (K, N)
+        h = torch.mm(torch.tanh(h), self.w_mm)                       # aten.mm, weight (K, N)
+        return h @ h.t()                                             # activation x activation
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _table_route():
+    return routing.route("linear", "fp32").backend
+
+
+def test_routes_follow_the_table_and_answers_match_eager():
+    m = Mixed().eval()
+    x = torch.randn(6, 24)
+    opt = cpu_opt.optimize(m, x, dtype="fp32")
+    assert _rel(opt(x), m(x).detach()) < 1e-5
+    rep = opt.report()
+    routed = {r["node"]: r for r in rep["routed"]}
+    if _table_route() == "torch_onednn":
+        # the three layers on constant weights moved, named as in the captured graph; the
+        # activation x activation matmul stayed with oneDNN
+        assert len(routed) == 3
+        assert all(r["route"] == "torch_onednn" and "brg_matmul:avx2" in r["why"] for r in routed.values())
+        assert any(name.startswith("linear") for name in routed)
+        assert any(name.startswith("addmm") for name in routed)
+        assert any("MatMul" in p["ops"] for p in rep["partitions"])
+        assert not [f for f in rep["fallbacks"] if "linear" in f["op"] or "mm" in f["op"]]
+    else:
+        assert not routed
+    assert rep["routes"]["linear"] == _table_route()
+
+
+def test_new_shape_and_bigger_batch_after_routing():
+    m = Mixed().eval()
+    opt = cpu_opt.optimize(m, torch.randn(6, 24), dtype="fp32")
+    x = torch.randn(50, 24)
+    assert _rel(opt(x), m(x).detach()) < 1e-5
+
+
+@pytest.mark.parametrize("winner", ["onednn", "torch_onednn"])
+def test_measured_route_takes_the_faster(monkeypatch, winner):
+    if _table_route() not in ("onednn", "torch_onednn"):
+        pytest.skip("no oneDNN route for linear layers on this CPU: nothing to choose between")
+    loser = "onednn" if winner == "torch_onednn" else "torch_onednn"
+    seen = []
+
+    def fake(m, k, n, bias, repeats=7):
+        seen.append((m, k, n, bias))
+        return {winner: 1e-3, loser: 2e-3}
+
+    monkeypatch.setattr(passes, "measure_linear", fake)
+    m = Mixed().eval()
+    x = torch.randn(6, 24)
+    gm = capture(m, x).gm
+    passes.run_passes(gm)
+    log = passes.route_linears(gm, "fp32", measure=True)
+    # (M, K, N, bias) of the three layers on constant weights, from the captured shapes
+    assert sorted(seen) == [(6, 24, 32, True), (6, 32, 40, True), (6, 40, 16, False)]
+    chosen = [n.meta["cpu_opt_route"] for n in gm.graph.nodes if "cpu_opt_route" in n.meta]
+    assert [b for b, _ in chosen] == [winner] * 3
+    assert all("measured on this shape" in why for _, why in chosen)
+    assert bool(log) == (winner == "torch_onednn")
+    assert _rel(gm(x)[0], m(x).detach()) < 1e-5
+    # optimize(autotune=True) measures the same way
+    seen.clear()
+    opt = cpu_opt.optimize(m, x, dtype="fp32", autotune=True)
+    assert len(seen) == 3 and _rel(opt(x), m(x).detach()) < 1e-5
+
+
+def test_measure_linear_times_both_backends():
+    t = passes.measure_linear(8, 16, 12, True, repeats=3)
+    assert set(t) == {"onednn", "torch_onednn"} and all(v > 0 for v in t.values())
+    assert passes.measure_linear(8, 16, 12, True, repeats=3) is t  # cached per shape
+
+
+def test_bf16_and_float64_are_not_rerouted():
+    m = Mixed().eval()
+    gm = torch.fx.symbolic_trace(m)
+    assert passes.route_linears(gm, "bf16") == []
+    m64 = Mixed().double().eval()
+    x = torch.randn(6, 24, dtype=torch.float64)
+    opt = cpu_opt.optimize(m64, x, dtype="fp32")
+    assert not opt.report()["routed"]
+    assert _rel(opt(x), m64(x).detach()) < 1e-10
+
+
+@pytest.mark.parametrize("cpu,want", [("amd_zen3", "torch_onednn"), ("amd_zen5", "onednn"),
+                                      ("intel_sapphirerapids", "onednn"), ("graviton3_v1", "acl")])
+def test_linear_route_per_cpu(cpu, want):
+    info = hw.build_info((FIX / f"{cpu}.txt").read_text())
+    assert routing.route("linear", "fp32", info).backend == want
+
+
+def test_zen5_capped_to_avx2_moves_linears_to_torch_onednn():
+    info = hw.build_info((FIX / "amd_zen5.txt").read_text(), cap="avx2")
+    assert routing.route("linear", "fp32", info).backend == "torch_onednn"
