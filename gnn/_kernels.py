@@ -112,12 +112,13 @@ def _check_rowptr(rowptr, n_rows_hint=None):
 # ----------------------------------------------------------------------------- forward
 
 def segment_reduce(rowptr, col, weight, x, reduce: str, self=None, include_self: bool = False,
-                   arg_is_col: bool = False):
+                   arg_is_col: bool = False, want_arg: bool = True):
     """``out[r] = reduce_{e in [rowptr[r], rowptr[r+1])} weight[e] * x[col[e]]`` (see segment.c).
 
     Returns ``(out, arg)``; ``arg`` (int64, n_rows x F) holds the winning position e for
     amax/amin (``col[e]`` with ``arg_is_col``), -1 where self or nothing won; an empty tensor
-    for the other reductions."""
+    for the other reductions, and for amax/amin with ``want_arg=False`` (no gradient wanted:
+    the kernel then skips tracking the winners, about half its time)."""
     reduce = canonical_reduce(reduce)
     rowptr = _check_rowptr(rowptr)
     col = _idx(col, "col")
@@ -141,9 +142,9 @@ def segment_reduce(rowptr, col, weight, x, reduce: str, self=None, include_self:
         raise ValueError(f"rowptr[-1] = {nnz_last} must equal the number of nonzeros col.numel() = {col.numel()}")
     dt, ct = FEATURE_DTYPES[x.dtype]
     isuf, ict = INDEX_DTYPES[col.dtype]
-    out = torch.empty(n_rows, F, dtype=x.dtype)
-    want_arg = reduce in ("amax", "amin")
-    arg = torch.empty(n_rows, F, dtype=torch.int64) if want_arg else torch.empty(0, dtype=torch.int64)
+    out = native.empty(n_rows, F, dtype=x.dtype)
+    want_arg = want_arg and reduce in ("amax", "amin")
+    arg = native.empty(n_rows, F, dtype=torch.int64) if want_arg else torch.empty(0, dtype=torch.int64)
     bad = native.ffi().new("int64_t *", -1)
     st = _fn(f"segment_reduce_{dt}_{isuf}")(
         _p(rowptr, "int64_t *"), n_rows, _p(col, ict), _p(weight, ct), _p(x, ct), x.shape[0], F,
@@ -197,7 +198,7 @@ def arg_scatter(arg, g, col, weight, n_out: int, nnz: int | None = None):
             raise ValueError("weight must have one entry per nonzero and grad's dtype")
     dt, ct = FEATURE_DTYPES[g.dtype]
     isuf, ict = INDEX_DTYPES[col.dtype] if col is not None else ("i64", "int64_t *")
-    out = torch.empty(n_out, g.shape[1], dtype=g.dtype)
+    out = native.empty(n_out, g.shape[1], dtype=g.dtype)
     bad = native.ffi().new("int64_t *", -1)
     st = _fn(f"arg_scatter_{dt}_{isuf}")(_p(arg, "int64_t *"), g.shape[0], g.shape[1], _p(g, ct),
                                          _p(col, ict), nnz, _p(weight, ct), _p(out, ct), n_out,
@@ -206,6 +207,42 @@ def arg_scatter(arg, g, col, weight, n_out: int, nnz: int | None = None):
         _raise_index("arg_scatter", st, -2 - bad[0], "col", col, n_out)
     if st:
         _raise_index("arg_scatter", st, bad[0], "arg", arg.view(-1), nnz)
+    return out
+
+
+def arg_gather(colptr, row_t, perm, arg, g, weight, n_out: int):
+    """The max/min spmm gradient of x over the CSC transpose ``(colptr, row_t, perm)``:
+    ``out[i] = sum_{k in col i, arg[row_t[k]] == perm[k]} weight[perm[k]] * g[row_t[k]]`` — what
+    :func:`arg_scatter` gives with ``col``, without scattered writes (see segment_backward_tmpl.h)."""
+    colptr = check_tensor(colptr, "colptr", dtypes=(torch.int64,), dim=1).contiguous()
+    row_t = _idx(row_t, "row_t")
+    perm = check_tensor(perm, "perm", dtypes=(torch.int64,), dim=1).contiguous()
+    arg = check_tensor(arg, "arg", dtypes=(torch.int64,), dim=2).contiguous()
+    g = _feat(g, "grad")
+    if arg.shape != g.shape:
+        raise ValueError(f"arg shape {tuple(arg.shape)} must equal grad shape {tuple(g.shape)}")
+    if colptr.numel() != n_out + 1:
+        raise ValueError(f"colptr must have n_out + 1 = {n_out + 1} entries, got {colptr.numel()}")
+    nnz = row_t.numel()
+    if perm.numel() != nnz:
+        raise ValueError(f"perm must have one entry per nonzero ({nnz}), got {perm.numel()}")
+    if weight is not None:
+        weight = _feat(weight, "weight", dim=1)
+        if weight.numel() != nnz or weight.dtype != g.dtype:
+            raise ValueError("weight must have one entry per nonzero and grad's dtype")
+    if int(colptr[-1]) != nnz:
+        raise ValueError(f"colptr[-1] = {int(colptr[-1])} must equal the number of nonzeros {nnz}")
+    dt, ct = FEATURE_DTYPES[g.dtype]
+    isuf, ict = INDEX_DTYPES[row_t.dtype]
+    out = native.empty(n_out, g.shape[1], dtype=g.dtype)
+    bad = native.ffi().new("int64_t *", -1)
+    st = _fn(f"arg_gather_{dt}_{isuf}")(_p(colptr, "int64_t *"), n_out, _p(row_t, ict), _p(perm, "int64_t *"), nnz,
+                                        _p(arg, "int64_t *"), _p(g, ct), g.shape[0], g.shape[1], _p(weight, ct),
+                                        _p(out, ct), _nthreads(), bad)
+    if st == -1 and bad[0] <= -2:
+        _raise_index("arg_gather", st, -2 - bad[0], "perm", perm, nnz)
+    if st:
+        _raise_index("arg_gather", st, bad[0], "row_t", row_t, g.shape[0], colptr)
     return out
 
 
@@ -279,7 +316,7 @@ def gather_rows(src, index, out=None):
     index = _idx(index, "index")
     shape = (index.numel(),) + tuple(src.shape[1:])
     if out is None:
-        out = torch.empty(shape, dtype=src.dtype)
+        out = native.empty(shape, dtype=src.dtype)
     else:
         check_tensor(out, "out")
         if tuple(out.shape) != shape or out.dtype != src.dtype or not out.is_contiguous():

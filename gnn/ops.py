@@ -13,6 +13,7 @@ op                          computes                                            
 ``cpu_opt::segment_reduce`` the raw kernel (forward of both above; backward building block) no
 ``cpu_opt::sddmm``          ``<a[row(e)], b[col[e]]>`` per nonzero                        no
 ``cpu_opt::arg_scatter``    max/min backward scatter from the saved winner index          no
+``cpu_opt::arg_gather``     max/min spmm backward for x, gathered over the CSC           no
 ``cpu_opt::arg_weight_grad`` max/min backward for edge weights                            no
 ``cpu_opt::index_add``      sum of rows by a 1-D index (gather's backward)                no
 ==========================  ===========================================================  ========
@@ -69,6 +70,17 @@ def arg_scatter_op(arg: Tensor, grad: Tensor, col: Optional[Tensor], weight: Opt
 
 @arg_scatter_op.register_fake
 def _(arg, grad, col, weight, n_out):
+    return grad.new_empty(n_out, grad.shape[1])
+
+
+@torch.library.custom_op("cpu_opt::arg_gather", mutates_args=())
+def arg_gather_op(colptr: Tensor, row_t: Tensor, perm: Tensor, arg: Tensor, grad: Tensor,
+                  weight: Optional[Tensor], n_out: int) -> Tensor:
+    return K.arg_gather(colptr, row_t, perm, arg, grad, weight, n_out)
+
+
+@arg_gather_op.register_fake
+def _(colptr, row_t, perm, arg, grad, weight, n_out):
     return grad.new_empty(n_out, grad.shape[1])
 
 
@@ -190,6 +202,11 @@ def spmm(adj, x: Tensor, reduce: str = "sum", weight: Optional[Tensor] = None) -
             raise ValueError(f"weight must have one entry per nonzero ({g.nnz}), got {w.numel()}")
         if w.dtype != x.dtype:
             w = w.to(x.dtype)
+    if reduce in _ARG_REDUCES and not torch.compiler.is_compiling() and not (
+            torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad))):
+        # inference: no backward will come, so no winner index (and no CSC transpose) is needed
+        out, _ = K.segment_reduce(g.rowptr, g.col, w, x, reduce, want_arg=False)
+        return out
     colptr, row_t, perm_t = g.csc()
     out, _ = torch.ops.cpu_opt.spmm(g.rowptr, g.col, w, colptr, row_t, perm_t, x, reduce)
     return out

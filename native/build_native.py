@@ -37,7 +37,7 @@ def expand_api(text: str, variant: str) -> str:
 def make_builder() -> FFI:
     api = (HERE / "api.h").read_text()
     cdef = "\n".join(expand_api(api, v) for v in variants_for_machine())
-    cdef += "\nconst char *co_native_variants(void);\n"
+    cdef += "\nconst char *co_native_variants(void);\nint co_advise_hugepages(void *p, int64_t nbytes);\n"
     ffibuilder = FFI()
     ffibuilder.cdef(cdef)
     ffibuilder.set_source(

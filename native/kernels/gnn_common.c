@@ -13,6 +13,8 @@
 #define CO_RED_MAX 2
 #define CO_RED_MIN 3
 #define CO_RED_PROD 4
+/* how many edges ahead segment_reduce prefetches the neighbour's feature row */
+#define CO_PF_DIST 16
 #endif
 
 static inline float KFN(bf16_to_f32)(uint16_t b)
@@ -32,6 +34,30 @@ static inline uint16_t KFN(f32_to_bf16)(float f)
     u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest, ties to even */
     return (uint16_t)(u >> 16);
 }
+
+/* v where keep is 1, +0.0 where keep is 0, by bit masking: unlike `keep ? v : 0` this keeps the
+ * loops around it free of control flow, so gcc vectorizes them (mixed int64 / float lanes). */
+static inline float KFN(keep_f32)(float v, int64_t keep)
+{
+    uint32_t b;
+    memcpy(&b, &v, sizeof b);
+    b &= 0u - (uint32_t)keep;
+    memcpy(&v, &b, sizeof v);
+    return v;
+}
+
+static inline double KFN(keep_f64)(double v, int64_t keep)
+{
+    uint64_t b;
+    memcpy(&b, &v, sizeof b);
+    b &= 0ull - (uint64_t)keep;
+    memcpy(&v, &b, sizeof v);
+    return v;
+}
+
+#ifndef CO_KEEP
+#define CO_KEEP(v, keep) _Generic((v), float: KFN(keep_f32), double: KFN(keep_f64))((v), (keep))
+#endif
 
 /* first row of thread t's share when n_rows rows (rowptr) are split into nt parts of about
  * equal (nonzeros + rows): the smallest r with rowptr[r] + r >= total * t / nt */

@@ -121,3 +121,67 @@ int64_t KFN(CO_N3(arg_weight_grad, CO_DT, CO_ISUF))(
     free(acc);
     return CO_OK;
 }
+
+/* The backward of max/min spmm with respect to x, by gathering over the CSC transpose
+ * (colptr, row_t, perm) that the graph caches:
+ *   out[i, j] = sum over k in [colptr[i], colptr[i+1]) with arg[row_t[k], j] == perm[k]
+ *               of weight[perm[k]] * g[row_t[k], j]
+ * The same result as arg_scatter(arg, g, col, weight) (arg holds CSR positions e), but each
+ * thread owns whole output rows (balanced by nonzeros): no zeroing pass and no scattered
+ * read-modify-writes; the rows of arg and g an edge needs are contiguous and prefetched
+ * CO_PF_DIST edges ahead. arg is only compared, never used as an address, so it needs no check. */
+int64_t KFN(CO_N3(arg_gather, CO_DT, CO_ISUF))(
+    const int64_t *colptr, int64_t n_out, const CO_IT *row_t, const int64_t *perm, int64_t nnz,
+    const int64_t *arg, const CO_T *g, int64_t n_rows, int64_t F, const CO_T *weight, CO_T *out,
+    int nthreads, int64_t *bad_pos)
+{
+    if (n_out < 0 || nnz < 0 || n_rows < 0 || F < 0 || nthreads < 1 || !colptr) return CO_ERR_BAD_ARGUMENT;
+    if ((n_rows * F > 0 && (!arg || !g)) || (n_out * F > 0 && !out) || (nnz > 0 && (!row_t || !perm)))
+        return CO_ERR_BAD_ARGUMENT;
+    int64_t bp = KFN(check_rowptr)(colptr, n_out);
+    if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_UNSORTED; }
+    if (colptr[n_out] != nnz) return CO_ERR_BAD_ARGUMENT;
+    bp = KFN(CO_N2(first_out_of_range, CO_IT))(row_t, nnz, 0, n_rows, nthreads);
+    if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_INDEX_OUT_OF_RANGE; }
+    if (weight) {
+        bp = KFN(first_out_of_range_int64_t)(perm, nnz, 0, nnz, nthreads);
+        if (bp >= 0) { if (bad_pos) *bad_pos = -2 - bp; return CO_ERR_INDEX_OUT_OF_RANGE; }
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nnz * F > 32768)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t i0 = KFN(balanced_row_start)(colptr, n_out, t, nt);
+        const int64_t i1 = KFN(balanced_row_start)(colptr, n_out, t + 1, nt);
+        const int64_t k_stop = colptr[i1];
+        CO_ACC *acc = (CO_ACC *)malloc((size_t)(F + 1) * sizeof(CO_ACC));
+        if (!acc) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            for (int64_t i = i0; i < i1; ++i) {
+                for (int64_t j = 0; j < F; ++j) acc[j] = (CO_ACC)0;
+                for (int64_t k = colptr[i]; k < colptr[i + 1]; ++k) {
+                    if (k + CO_PF_DIST < k_stop) {
+                        const int64_t rp = (int64_t)row_t[k + CO_PF_DIST];
+                        const char *pa = (const char *)(arg + rp * F), *pg = (const char *)(g + rp * F);
+                        for (int64_t b = 0; b < F * (int64_t)sizeof(int64_t); b += 64) __builtin_prefetch(pa + b);
+                        for (int64_t b = 0; b < F * (int64_t)sizeof(CO_T); b += 64) __builtin_prefetch(pg + b);
+                    }
+                    const int64_t r = (int64_t)row_t[k], e = perm[k];
+                    const int64_t *restrict ar = arg + r * F;
+                    const CO_T *restrict gr = g + r * F;
+                    const CO_ACC w = weight ? CO_LOAD(weight[e]) : (CO_ACC)1;
+                    for (int64_t j = 0; j < F; ++j) {
+                        const CO_ACC v = w * CO_LOAD(gr[j]);
+                        acc[j] += CO_KEEP(v, ar[j] == e);
+                    }
+                }
+                CO_T *restrict o = out + i * F;
+                for (int64_t j = 0; j < F; ++j) o[j] = CO_STORE(acc[j]);
+            }
+        }
+        free(acc);
+    }
+    return failed ? CO_ERR_BAD_ARGUMENT : CO_OK;
+}

@@ -29,6 +29,13 @@ int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t r0 = KFN(balanced_row_start)(rowptr, n_rows, t, nt);
         const int64_t r1 = KFN(balanced_row_start)(rowptr, n_rows, t + 1, nt);
+        /* CSR rows are contiguous in col: prefetch CO_PF_DIST edges ahead across row ends too
+         * (short rows, as in uniform graphs, otherwise start every row with cold misses) */
+        const int64_t e_stop = rowptr[r1];
+#define CO_PREFETCH_ROW(e_) do { \
+            const char *p_ = (const char *)(x + (int64_t)col[(e_)] * F); \
+            for (int64_t k_ = 0; k_ < F * (int64_t)sizeof(CO_T); k_ += 64) __builtin_prefetch(p_ + k_); \
+        } while (0)
         CO_ACC *acc = (CO_ACC *)malloc((size_t)(F + 1) * sizeof(CO_ACC));
         int32_t *ab = (int32_t *)malloc((size_t)(F + 1) * sizeof(int32_t)); /* winner, relative to the row start */
         if (!acc || !ab) {
@@ -59,10 +66,7 @@ int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
 
                 if (reduce == CO_RED_SUM || reduce == CO_RED_MEAN) {
                     for (int64_t e = s; e < end; ++e) {
-                        if (e + 4 < end) {
-                            const char *p = (const char *)(x + (int64_t)col[e + 4] * F);
-                            for (int64_t k = 0; k < F * (int64_t)sizeof(CO_T); k += 64) __builtin_prefetch(p + k);
-                        }
+                        if (e + CO_PF_DIST < e_stop) CO_PREFETCH_ROW(e + CO_PF_DIST);
                         const CO_T *restrict xr = x + (int64_t)col[e] * F;
                         if (weight) {
                             const CO_ACC w = CO_LOAD(weight[e]);
@@ -81,15 +85,30 @@ int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
                         const CO_ACC w = weight ? CO_LOAD(weight[e]) : (CO_ACC)1;
                         for (int64_t j = 0; j < F; ++j) acc[j] *= w * CO_LOAD(xr[j]);
                     }
+                } else if (!arg) { /* max / min without the winner (no gradient wanted) */
+                    const int is_max = reduce == CO_RED_MAX;
+                    for (int64_t e = s; e < end; ++e) {
+                        if (e + CO_PF_DIST < e_stop) CO_PREFETCH_ROW(e + CO_PF_DIST);
+                        const CO_T *restrict xr = x + (int64_t)col[e] * F;
+                        const CO_ACC w = weight ? CO_LOAD(weight[e]) : (CO_ACC)1;
+                        if (is_max) {
+                            for (int64_t j = 0; j < F; ++j) {
+                                const CO_ACC v = w * CO_LOAD(xr[j]);
+                                acc[j] = ((v > acc[j]) | (v != v)) ? v : acc[j]; /* NaN propagates */
+                            }
+                        } else {
+                            for (int64_t j = 0; j < F; ++j) {
+                                const CO_ACC v = w * CO_LOAD(xr[j]);
+                                acc[j] = ((v < acc[j]) | (v != v)) ? v : acc[j];
+                            }
+                        }
+                    }
                 } else { /* max / min, keeping the winning position e (-1: self or nothing won) */
                     for (int64_t j = 0; j < F; ++j) ab[j] = -1;
                     const int is_max = reduce == CO_RED_MAX;
                     for (int64_t e = s; e < end; ++e) {
                         const int32_t rel = (int32_t)(e - s);
-                        if (e + 4 < end) {
-                            const char *p = (const char *)(x + (int64_t)col[e + 4] * F);
-                            for (int64_t k = 0; k < F * (int64_t)sizeof(CO_T); k += 64) __builtin_prefetch(p + k);
-                        }
+                        if (e + CO_PF_DIST < e_stop) CO_PREFETCH_ROW(e + CO_PF_DIST);
                         const CO_T *restrict xr = x + (int64_t)col[e] * F;
                         const CO_ACC w = weight ? CO_LOAD(weight[e]) : (CO_ACC)1;
                         if (is_max) {
@@ -120,5 +139,6 @@ int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
         free(acc);
         free(ab);
     }
+#undef CO_PREFETCH_ROW
     return failed ? CO_ERR_BAD_ARGUMENT : CO_OK;
 }
