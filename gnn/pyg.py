@@ -8,7 +8,11 @@
   whose ``spmm`` runs on :func:`cpu_opt.gnn.spmm`;
 * aggregation through ``scatter`` (sum / mean / max / min / mul; convs without a fused path, and
   any PyG code in the patched modules) runs on :func:`cpu_opt.gnn.scatter`;
-* GCN normalisation of a cached ``adj_t`` is computed once (by PyG's own ``gcn_norm``) and kept.
+* GCN normalisation of a cached ``adj_t`` is computed once (by PyG's own ``gcn_norm``) and kept;
+* a SAGEConv with sum/mean aggregation, or a GINConv whose ``nn`` starts with a Linear layer,
+  that maps to fewer channels than it takes applies that linear map *before* aggregating
+  (``lin(aggr(x)) == aggr(x W^T) + b`` for sum and mean; DGL's SAGEConv does the same), so the
+  sparse work runs on the narrower features. Results equal PyG's within float rounding.
 
 PyG binds ``scatter``, ``spmm`` and ``gcn_norm`` by name into many modules, so patching
 ``torch_geometric.utils`` alone would change nothing: :func:`patched` swaps every bound name (in
@@ -179,6 +183,79 @@ def patched():
                 _saved.clear()
 
 
+# ----------------------------------------------------------------------------- linear before aggregation
+
+def _sage_forward_linear_first(self, x, edge_index, size=None):
+    """SAGEConv.forward (sum/mean, no ``project``) with lin_l applied before propagate."""
+    if isinstance(x, torch.Tensor):
+        x = (x, x)
+    h = torch.nn.functional.linear(x[0], self.lin_l.weight)
+    out = self.propagate(edge_index, x=(h, x[1]), size=size)
+    if self.lin_l.bias is not None:
+        out = out + self.lin_l.bias
+    x_r = x[1]
+    if self.root_weight and x_r is not None:
+        out = out + self.lin_r(x_r)
+    if self.normalize:
+        out = torch.nn.functional.normalize(out, p=2.0, dim=-1)
+    return out
+
+
+def _gin_forward_linear_first(self, x, edge_index, size=None):
+    """GINConv.forward with the first Linear of ``nn`` applied before propagate:
+    ``L(aggr(x) + (1 + eps) x_r) == aggr(x W^T) + (1 + eps) x_r W^T + b``."""
+    if isinstance(x, torch.Tensor):
+        x = (x, x)
+    first = self.nn[0]
+    h = torch.nn.functional.linear(x[0], first.weight)
+    h_r = None if x[1] is None else (h if x[1] is x[0] else torch.nn.functional.linear(x[1], first.weight))
+    out = self.propagate(edge_index, x=(h, h_r), size=size)
+    if h_r is not None:
+        out = out + (1 + self.eps) * h_r
+    if first.bias is not None:
+        out = out + first.bias
+    for layer in list(self.nn)[1:]:
+        out = layer(out)
+    return out
+
+
+def _narrowing(weight) -> bool:
+    return (isinstance(weight, torch.Tensor) and not isinstance(weight, torch.nn.parameter.UninitializedParameter)
+            and weight.dim() == 2 and weight.shape[0] < weight.shape[1])
+
+
+def linear_first_layers(model: torch.nn.Module) -> dict:
+    """``{module: forward}`` for the layers of ``model`` that can apply their linear map before
+    aggregating and gain from it (fewer output than input channels)."""
+    from torch_geometric.nn import GINConv, SAGEConv
+
+    out = {}
+    for m in model.modules():
+        if (isinstance(m, SAGEConv) and isinstance(m.aggr, str) and m.aggr in ("sum", "add", "mean")
+                and not m.project and _narrowing(getattr(m.lin_l, "weight", None))):
+            out[m] = _sage_forward_linear_first
+        elif (isinstance(m, GINConv) and isinstance(m.aggr, str) and m.aggr in ("sum", "add")
+              and isinstance(m.nn, torch.nn.Sequential) and len(m.nn) > 0
+              and isinstance(m.nn[0], torch.nn.Linear) and _narrowing(m.nn[0].weight)):
+            out[m] = _gin_forward_linear_first
+    return out
+
+
+@contextlib.contextmanager
+def _linear_first(layers: dict):
+    """Give each layer its linear-first forward for the duration of one call (instance attribute,
+    removed afterwards: the wrapped model itself is left as it was)."""
+    import types
+
+    for m, fn in layers.items():
+        m.forward = types.MethodType(fn, m)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.__dict__.pop("forward", None)
+
+
 # ----------------------------------------------------------------------------- the wrapper
 
 class OptimizedGNN(torch.nn.Module):
@@ -186,7 +263,7 @@ class OptimizedGNN(torch.nn.Module):
     Shares the parameters of the wrapped model (``.model``)."""
 
     def __init__(self, model: torch.nn.Module, *, edge_arg: str | None = None,
-                 index_dtype: torch.dtype = torch.int64, cache_size: int = 4):
+                 index_dtype: torch.dtype = torch.int64, cache_size: int = 4, linear_first: bool = True):
         super().__init__()
         self.model = model
         params = list(inspect.signature(model.forward).parameters)
@@ -209,6 +286,10 @@ class OptimizedGNN(torch.nn.Module):
         # adj_t is built for flow="source_to_target"; a model with another flow keeps edge_index
         self._convertible = all(getattr(m, "flow", "source_to_target") == "source_to_target"
                                 for m in model.modules() if isinstance(m, MessagePassing))
+        self._linear_first = linear_first_layers(model) if linear_first else {}
+        for m in self._linear_first:
+            w = m.lin_l.weight if hasattr(m, "lin_l") else m.nn[0].weight
+            self._notes[f"{type(m).__name__}({w.shape[1]} -> {w.shape[0]}): linear before aggregation"] += 1
 
     def _adj_t(self, edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
         key = (edge_index.data_ptr(), edge_index.storage_offset(), tuple(edge_index.shape),
@@ -242,7 +323,7 @@ class OptimizedGNN(torch.nn.Module):
             self._notes["edge weights/attrs given: edge_index kept (scatter path)"] += 1
         elif not self._convertible:
             self._notes["a layer has flow='target_to_source': edge_index kept (scatter path)"] += 1
-        with patched():
+        with patched(), _linear_first(self._linear_first):
             return self.model(*bound.args, **bound.kwargs)
 
     def report(self) -> str:
@@ -256,16 +337,18 @@ class OptimizedGNN(torch.nn.Module):
 
 
 def optimize(model: torch.nn.Module, *, edge_arg: str | None = None, index_dtype: torch.dtype = torch.int64,
-             verbose: bool = False) -> OptimizedGNN:
+             linear_first: bool = True, verbose: bool = False) -> OptimizedGNN:
     """Wrap a PyG model so its message passing runs on cpu_opt kernels. The model's forward must
     take node features first and ``edge_index`` (or ``edge_arg``) as a (2, E) integer tensor.
-    ``index_dtype=torch.int32`` halves the column index traffic."""
+    ``index_dtype=torch.int32`` halves the column index traffic. ``linear_first``: narrowing
+    SAGEConv (sum/mean) and GINConv layers apply their linear map before aggregating (see the
+    module docstring); ``False`` keeps PyG's order exactly."""
     from torch_geometric.nn import MessagePassing
 
     convs = [type(m).__name__ for m in model.modules() if isinstance(m, MessagePassing)]
     if not convs:
         raise ValueError(f"{type(model).__name__} contains no torch_geometric MessagePassing layer")
-    opt = OptimizedGNN(model, edge_arg=edge_arg, index_dtype=index_dtype)
+    opt = OptimizedGNN(model, edge_arg=edge_arg, index_dtype=index_dtype, linear_first=linear_first)
     if verbose:
         fused = [c for c in convs if c in ("GCNConv", "SAGEConv", "GINConv", "GraphConv")]
         print(f"cpu_opt.gnn.optimize: {len(convs)} message-passing layers ({', '.join(sorted(set(convs)))}); "

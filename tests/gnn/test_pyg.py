@@ -174,3 +174,46 @@ def test_int32_index_graph():
     ref = Net("sage_mean", x.shape[1], 8, 3)
     fast = gnn.optimize(copy.deepcopy(ref), index_dtype=torch.int32)
     torch.testing.assert_close(fast(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)
+
+
+LINEAR_FIRST_LAYERS = {
+    "sage_sum_normalize": lambda: SAGEConv(12, 3, aggr="sum", normalize=True),
+    "sage_mean_no_root": lambda: SAGEConv(12, 3, aggr="mean", root_weight=False),
+    "sage_mean_no_bias": lambda: SAGEConv(12, 3, aggr="mean", bias=False),
+    "gin_train_eps": lambda: GINConv(torch.nn.Sequential(torch.nn.Linear(12, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)),
+                                     eps=0.25, train_eps=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR_FIRST_LAYERS))
+def test_linear_before_aggregation_matches_pyg(name):
+    torch.manual_seed(0)
+    x, ei, _ = _task()
+    ref = LINEAR_FIRST_LAYERS[name]()
+    fast_layer = copy.deepcopy(ref)
+    fast = gnn.optimize(fast_layer)
+    assert fast_layer in gpyg.linear_first_layers(fast_layer)
+    xr, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_r, out_f = ref(xr, ei), fast(xf, ei)
+    torch.testing.assert_close(out_f, out_r, rtol=1e-4, atol=1e-5)
+    g = torch.randn_like(out_r)
+    out_r.backward(g)
+    out_f.backward(g)
+    torch.testing.assert_close(xf.grad, xr.grad, rtol=1e-4, atol=1e-5)
+    for (pname, p_r), p_f in zip(ref.named_parameters(), fast_layer.parameters()):
+        torch.testing.assert_close(p_f.grad, p_r.grad, rtol=1e-4, atol=1e-5, msg=f"grad of {pname}")
+    assert "linear before aggregation" in fast.report()
+    assert "forward" not in fast_layer.__dict__  # the layer's own forward is back after the call
+
+
+def test_linear_first_only_where_it_narrows_and_can_be_turned_off():
+    x, ei, _ = _task()
+    for kind, want in (("sage_mean", ["c2"]), ("gin", ["c2"]), ("sage_max", []), ("gcn", []), ("graphconv_min", [])):
+        m = Net(kind, x.shape[1], 16, 4)  # c1 widens 12 -> 16, c2 narrows 16 -> 4
+        got = sorted(n for n, mod in m.named_children() if mod in gpyg.linear_first_layers(m))
+        assert got == want, kind
+    m = Net("sage_mean", x.shape[1], 16, 4)
+    off = gnn.optimize(m, linear_first=False)
+    on = gnn.optimize(copy.deepcopy(m))
+    torch.testing.assert_close(on(x, ei), off(x, ei), rtol=1e-4, atol=1e-5)
+    assert "linear before aggregation" not in off.report() and "linear before aggregation" in on.report()
