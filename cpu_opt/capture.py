@@ -126,17 +126,32 @@ def _fx_capture(model, args, kwargs, flat_in) -> torch.fx.GraphModule:
 
 
 def _propagate_shapes(gm: torch.fx.GraphModule, flat_in) -> None:
-    """Run the graph once on the real example inputs, recording a real tensor's metadata in
-    ``node.meta['val']`` (shapes, strides, dtypes) where export left none or fake ones."""
+    """Record every node's output metadata (shapes, strides, dtypes) in ``node.meta['val']`` as
+    meta tensors, by running the graph on fake tensors shaped like the example inputs (no real
+    compute: at batch 16 a real run cost GPT-2 6.7 s of its optimize time). A graph that fake
+    tensors cannot run (an op without a fake kernel) is run once on the real inputs instead."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with torch.no_grad():
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            fake_in = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in flat_in]
+            with mode:
+                _MetaRecorder(gm).run(*fake_in)
+        return
+    except Exception:  # noqa: BLE001 - fall back to the exact, slower way
+        pass
     with torch.no_grad():
-        interp = _MetaRecorder(gm)
-        interp.run(*flat_in)
+        _MetaRecorder(gm).run(*flat_in)
 
 
 class _MetaRecorder(torch.fx.Interpreter):
     def run_node(self, n):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
         out = super().run_node(n)
-        n.meta["val"] = pytree.tree_map(
-            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-            if isinstance(t, torch.Tensor) else t, out)
+        with unset_fake_temporarily():  # plain meta tensors, outside any fake mode
+            n.meta["val"] = pytree.tree_map(
+                lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                if isinstance(t, torch.Tensor) else t, out)
         return out

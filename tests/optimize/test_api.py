@@ -189,3 +189,44 @@ def test_concurrent_calls_from_threads_agree_with_eager():
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+@pytest.mark.parametrize("name", ["resnet18", "bert_base", "gpt2_small"])
+def test_shape_propagation_on_fake_tensors_matches_a_real_run(name):
+    import torch.utils._pytree as pytree
+
+    from cpu_opt.capture import _MetaRecorder, _propagate_shapes, capture, flatten_inputs
+    from cpu_opt.models import ZOO
+
+    spec = ZOO[name]
+    m, inp = spec.build("small"), spec.example_inputs(2, "small")
+    gm = capture(m, inp).gm
+    flat = pytree.tree_leaves(flatten_inputs(inp))
+    _propagate_shapes(gm, flat)
+    fake = {n: pytree.tree_leaves(n.meta.get("val")) for n in gm.graph.nodes}
+    with torch.no_grad():
+        _MetaRecorder(gm).run(*flat)  # the exact way: real inputs, real compute
+    for n in gm.graph.nodes:
+        for a, b in zip(fake[n], pytree.tree_leaves(n.meta.get("val"))):
+            if isinstance(b, torch.Tensor):
+                assert type(a) is torch.Tensor and a.device.type == "meta", n.name
+                assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), n.name
+
+
+@torch.library.custom_op("cpu_opt_test::no_fake_kernel", mutates_args=())
+def _no_fake_kernel(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_shape_propagation_falls_back_to_a_real_run_without_a_fake_kernel():
+    from cpu_opt.capture import _propagate_shapes
+
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.relu(_no_fake_kernel(x)) + 1
+
+    gm = torch.fx.symbolic_trace(M())
+    x = torch.randn(3, 5)
+    _propagate_shapes(gm, [x])
+    vals = [n.meta["val"] for n in gm.graph.nodes if n.op != "output"]
+    assert all(v.shape == (3, 5) and v.device.type == "meta" for v in vals)
