@@ -322,8 +322,12 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
         w_nk = wt.t() if kn else wt
         backend, why = r.backend, r.why
         vx = _val(x)
+        rows = vx.numel() // max(vx.shape[-1], 1)
+        if backend == "torch_onednn" and rows < routing.LINEAR_TORCH_MIN_ROWS:
+            backend, why = "onednn", (f"{rows} row(s): a GEMV, where cpu_opt's oneDNN ties or wins "
+                                      "(routing.LINEAR_TORCH_MIN_ROWS)")
         if measure and vx.numel() > 0:
-            t = measure_linear(vx.numel() // vx.shape[-1], w_nk.shape[1], w_nk.shape[0], b is not None)
+            t = measure_linear(rows, w_nk.shape[1], w_nk.shape[0], b is not None)
             backend = min(t, key=t.get)
             why = (f"measured on this shape: cpu_opt oneDNN {t['onednn'] * 1e3:.3f} ms, "
                    f"torch's oneDNN {t['torch_onednn'] * 1e3:.3f} ms")

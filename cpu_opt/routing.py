@@ -128,6 +128,12 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+# Below this many activation rows a linear layer is a GEMV: there cpu_opt's oneDNN 3.2 ties with or
+# beats torch's oneDNN on AVX2 (M=1, 768x3072: 0.48 vs 0.77 ms; 1024x4096 and 4096x4096 level), while
+# from M=4 torch's brgemm wins (1024x4096 1.33x, 4096x4096 1.58x); python -m bench dnnl shapes, 2 threads.
+LINEAR_TORCH_MIN_ROWS = 4
+
+
 @dataclass(frozen=True)
 class Route:
     work: str

@@ -124,3 +124,19 @@ def test_linear_route_per_cpu(cpu, want):
 def test_zen5_capped_to_avx2_moves_linears_to_torch_onednn():
     info = hw.build_info((FIX / "amd_zen5.txt").read_text(), cap="avx2")
     assert routing.route("linear", "fp32", info).backend == "torch_onednn"
+
+
+def test_gemv_rows_stay_on_cpu_opt_onednn():
+    if _table_route() != "torch_onednn":
+        pytest.skip("the table keeps every linear layer on cpu_opt's oneDNN on this CPU")
+    m = nn.Sequential(nn.Linear(24, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    one = cpu_opt.optimize(m, torch.randn(1, 24), dtype="fp32")
+    assert not one.report()["routed"]  # M=1: GEMV
+    x = torch.randn(routing.LINEAR_TORCH_MIN_ROWS, 24)
+    many = cpu_opt.optimize(m, x, dtype="fp32")
+    assert len(many.report()["routed"]) == 2
+    # one module, both shapes: each plan routes for its own row count
+    assert _rel(one(x), m(x).detach()) < 1e-5 and _rel(one(torch.ones(1, 24)), m(torch.ones(1, 24)).detach()) < 1e-5
+    assert len(one._plans) == 2
+    new_plan = [p for s, p in one._plans.items() if s[0][0][0] == routing.LINEAR_TORCH_MIN_ROWS][0]
+    assert len(new_plan.lowered.routed) == 2
