@@ -46,14 +46,14 @@ def _spmm_backward(ctx, grad_out, _grad_arg):
             g = g / deg.unsqueeze(1)
         if need_x:
             w_t = weight.index_select(0, perm_t) if weight is not None else None
-            grad_x, _ = torch.ops.cpu_opt.segment_reduce(colptr, row_t, w_t, g, "sum", None, False, False)
+            grad_x, _ = torch.ops.cpu_opt.segment_reduce(colptr, row_t, w_t, g, "sum", None, False)
         if need_w:
             grad_w = torch.ops.cpu_opt.sddmm(rowptr, col, g, x)
     else:
         if need_x:  # gathered over the cached CSC: each thread owns whole rows of grad_x
-            grad_x = torch.ops.cpu_opt.arg_gather(colptr, row_t, perm_t, arg, g, weight, ctx.n_x)
+            grad_x = torch.ops.cpu_opt.arg_gather(colptr, row_t, perm_t, arg, rowptr, g, weight, ctx.n_x)
         if need_w:
-            grad_w = torch.ops.cpu_opt.arg_weight_grad(arg, g, x, col)
+            grad_w = torch.ops.cpu_opt.arg_weight_grad(arg, g, x, rowptr, col)
     return None, None, grad_w, None, None, None, grad_x, None
 
 
@@ -64,19 +64,19 @@ ops.spmm_op.register_autograd(_spmm_backward, setup_context=_spmm_setup)
 
 def _scatter_setup(ctx, inputs, output):
     src, index, dim_size, reduce, base, include_self = inputs
-    out, arg, count = output
-    ctx.set_materialize_grads(False)  # arg and count are not differentiable (see _spmm_setup)
+    out, arg, count, perm = output
+    ctx.set_materialize_grads(False)  # arg, count and perm are not differentiable (see _spmm_setup)
     ctx.reduce, ctx.dim_size, ctx.include_self = reduce, dim_size, include_self
     ctx.has_base = base is not None
-    ctx.save_for_backward(src, index, base, out, arg, count)
+    ctx.save_for_backward(src, index, base, out, arg, count, perm)
 
 
 def _gather(t, index):
     return torch.ops.cpu_opt.gather(t.contiguous(), index)
 
 
-def _scatter_backward(ctx, grad_out, _grad_arg, _grad_count):
-    src, index, base, out, arg, count = ctx.saved_tensors
+def _scatter_backward(ctx, grad_out, _grad_arg, _grad_count, _grad_perm):
+    src, index, base, out, arg, count, perm = ctx.saved_tensors
     if grad_out is None:
         return None, None, None, None, None, None
     g = grad_out.contiguous()
@@ -94,7 +94,8 @@ def _scatter_backward(ctx, grad_out, _grad_arg, _grad_count):
         if ctx.has_base:
             grad_base = gs if inc else g * empty
     elif red in ("amax", "amin"):
-        grad_src = torch.ops.cpu_opt.arg_scatter(arg, g, None, None, src.shape[0])
+        rowptr = torch.cat([count.new_zeros(1), count.cumsum(0)])
+        grad_src = torch.ops.cpu_opt.arg_scatter(arg, g, rowptr, perm, None, src.shape[0])
         if ctx.has_base:
             grad_base = g * (arg == -1).to(g.dtype)
     else:  # prod, as torch's scatter_reduce backward, zeros included

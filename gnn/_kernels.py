@@ -112,13 +112,13 @@ def _check_rowptr(rowptr, n_rows_hint=None):
 # ----------------------------------------------------------------------------- forward
 
 def segment_reduce(rowptr, col, weight, x, reduce: str, self=None, include_self: bool = False,
-                   arg_is_col: bool = False, want_arg: bool = True):
+                   want_arg: bool = True):
     """``out[r] = reduce_{e in [rowptr[r], rowptr[r+1])} weight[e] * x[col[e]]`` (see segment.c).
 
-    Returns ``(out, arg)``; ``arg`` (int64, n_rows x F) holds the winning position e for
-    amax/amin (``col[e]`` with ``arg_is_col``), -1 where self or nothing won; an empty tensor
-    for the other reductions, and for amax/amin with ``want_arg=False`` (no gradient wanted:
-    the kernel then skips tracking the winners, about half its time)."""
+    Returns ``(out, arg)``; for amax/amin ``arg`` (int32, n_rows x F) holds the winning nonzero
+    relative to its row start (``e = rowptr[r] + arg[r, j]``), -1 where self or nothing won; an
+    empty tensor for the other reductions, and for amax/amin with ``want_arg=False`` (no gradient
+    wanted: the kernel then skips tracking the winners, about half its time)."""
     reduce = canonical_reduce(reduce)
     rowptr = _check_rowptr(rowptr)
     col = _idx(col, "col")
@@ -144,12 +144,12 @@ def segment_reduce(rowptr, col, weight, x, reduce: str, self=None, include_self:
     isuf, ict = INDEX_DTYPES[col.dtype]
     out = native.empty(n_rows, F, dtype=x.dtype)
     want_arg = want_arg and reduce in ("amax", "amin")
-    arg = native.empty(n_rows, F, dtype=torch.int64) if want_arg else torch.empty(0, dtype=torch.int64)
+    arg = native.empty(n_rows, F, dtype=torch.int32) if want_arg else torch.empty(0, dtype=torch.int32)
     bad = native.ffi().new("int64_t *", -1)
     st = _fn(f"segment_reduce_{dt}_{isuf}")(
         _p(rowptr, "int64_t *"), n_rows, _p(col, ict), _p(weight, ct), _p(x, ct), x.shape[0], F,
         REDUCE_CODES[reduce], _p(self, ct), int(bool(include_self)), _p(out, ct),
-        _p(arg if want_arg else None, "int64_t *"), int(bool(arg_is_col)), _nthreads(), bad)
+        _p(arg if want_arg else None, "int32_t *"), _nthreads(), bad)
     if st:
         _raise_index("segment_reduce", st, bad[0], "col", col, x.shape[0], rowptr)
     return out, arg
@@ -180,18 +180,38 @@ def sddmm(rowptr, col, a, b):
     return out
 
 
-def arg_scatter(arg, g, col, weight, n_out: int, nnz: int | None = None):
-    """``out = zeros(n_out, F); out[col[arg[r, j]], j] += weight[arg[r, j]] * g[r, j]`` (arg >= 0).
-    ``col=None`` means arg already holds rows of out."""
-    arg = check_tensor(arg, "arg", dtypes=(torch.int64,), dim=2).contiguous()
+def _winners(arg, g, rowptr):
+    arg = check_tensor(arg, "arg", dtypes=(torch.int32,), dim=2).contiguous()
     g = _feat(g, "grad")
     if arg.shape != g.shape:
         raise ValueError(f"arg shape {tuple(arg.shape)} must equal grad shape {tuple(g.shape)}")
+    rowptr = _check_rowptr(rowptr)
+    if rowptr.numel() != g.shape[0] + 1:
+        raise ValueError(f"rowptr must have one entry per row of grad plus one ({g.shape[0] + 1}), "
+                         f"got {rowptr.numel()}")
+    return arg, g, rowptr
+
+
+def _raise_winner(kernel, st, bad, arg, rowptr, col, n_out):
+    if st == -1 and bad <= -2:
+        _raise_index(kernel, st, -2 - bad, "col", col, n_out)
+    if st == -1:
+        F = arg.shape[1]
+        r = bad // F
+        raise IndexError(f"{kernel}: arg[{r}, {bad % F}] = {int(arg.view(-1)[bad])} is not -1 or a position in "
+                         f"row {r} (which has {int(rowptr[r + 1] - rowptr[r])} nonzeros)")
+    _raise_index(kernel, st, bad, "arg", None, None, rowptr)
+
+
+def arg_scatter(arg, g, rowptr, col, weight, n_out: int):
+    """``out = zeros(n_out, F); out[col[e], j] += weight[e] * g[r, j]`` for each winner
+    ``e = rowptr[r] + arg[r, j]`` (arg >= 0). ``col=None`` means e itself is the row of out."""
+    arg, g, rowptr = _winners(arg, g, rowptr)
+    nnz = int(rowptr[-1])
     if col is not None:
         col = _idx(col, "col")
-        nnz = col.numel()
-    elif nnz is None:
-        nnz = n_out
+        if col.numel() != nnz:
+            raise ValueError(f"col must have rowptr[-1] = {nnz} entries, got {col.numel()}")
     if weight is not None:
         weight = _feat(weight, "weight", dim=1)
         if weight.numel() != nnz or weight.dtype != g.dtype:
@@ -200,27 +220,23 @@ def arg_scatter(arg, g, col, weight, n_out: int, nnz: int | None = None):
     isuf, ict = INDEX_DTYPES[col.dtype] if col is not None else ("i64", "int64_t *")
     out = native.empty(n_out, g.shape[1], dtype=g.dtype)
     bad = native.ffi().new("int64_t *", -1)
-    st = _fn(f"arg_scatter_{dt}_{isuf}")(_p(arg, "int64_t *"), g.shape[0], g.shape[1], _p(g, ct),
-                                         _p(col, ict), nnz, _p(weight, ct), _p(out, ct), n_out,
+    st = _fn(f"arg_scatter_{dt}_{isuf}")(_p(arg, "int32_t *"), g.shape[0], g.shape[1], _p(g, ct),
+                                         _p(rowptr, "int64_t *"), _p(col, ict), _p(weight, ct), _p(out, ct), n_out,
                                          _nthreads(), bad)
-    if st == -1 and bad[0] <= -2:
-        _raise_index("arg_scatter", st, -2 - bad[0], "col", col, n_out)
     if st:
-        _raise_index("arg_scatter", st, bad[0], "arg", arg.view(-1), nnz)
+        _raise_winner("arg_scatter", st, bad[0], arg, rowptr, col, n_out)
     return out
 
 
-def arg_gather(colptr, row_t, perm, arg, g, weight, n_out: int):
-    """The max/min spmm gradient of x over the CSC transpose ``(colptr, row_t, perm)``:
-    ``out[i] = sum_{k in col i, arg[row_t[k]] == perm[k]} weight[perm[k]] * g[row_t[k]]`` — what
-    :func:`arg_scatter` gives with ``col``, without scattered writes (see segment_backward_tmpl.h)."""
+def arg_gather(colptr, row_t, perm, arg, rowptr, g, weight, n_out: int):
+    """The max/min spmm gradient of x over the CSC transpose ``(colptr, row_t, perm)`` of the CSR
+    ``(rowptr, col)``: ``out[i] = sum_{k in col i, rowptr[r] + arg[r] == perm[k]} weight[perm[k]] * g[r]``
+    with ``r = row_t[k]`` — what :func:`arg_scatter` gives with ``col``, without scattered writes
+    (see segment_backward_tmpl.h)."""
     colptr = check_tensor(colptr, "colptr", dtypes=(torch.int64,), dim=1).contiguous()
     row_t = _idx(row_t, "row_t")
     perm = check_tensor(perm, "perm", dtypes=(torch.int64,), dim=1).contiguous()
-    arg = check_tensor(arg, "arg", dtypes=(torch.int64,), dim=2).contiguous()
-    g = _feat(g, "grad")
-    if arg.shape != g.shape:
-        raise ValueError(f"arg shape {tuple(arg.shape)} must equal grad shape {tuple(g.shape)}")
+    arg, g, rowptr = _winners(arg, g, rowptr)
     if colptr.numel() != n_out + 1:
         raise ValueError(f"colptr must have n_out + 1 = {n_out + 1} entries, got {colptr.numel()}")
     nnz = row_t.numel()
@@ -237,8 +253,8 @@ def arg_gather(colptr, row_t, perm, arg, g, weight, n_out: int):
     out = native.empty(n_out, g.shape[1], dtype=g.dtype)
     bad = native.ffi().new("int64_t *", -1)
     st = _fn(f"arg_gather_{dt}_{isuf}")(_p(colptr, "int64_t *"), n_out, _p(row_t, ict), _p(perm, "int64_t *"), nnz,
-                                        _p(arg, "int64_t *"), _p(g, ct), g.shape[0], g.shape[1], _p(weight, ct),
-                                        _p(out, ct), _nthreads(), bad)
+                                        _p(arg, "int32_t *"), _p(rowptr, "int64_t *"), _p(g, ct), g.shape[0],
+                                        g.shape[1], _p(weight, ct), _p(out, ct), _nthreads(), bad)
     if st == -1 and bad[0] <= -2:
         _raise_index("arg_gather", st, -2 - bad[0], "perm", perm, nnz)
     if st:
@@ -246,25 +262,24 @@ def arg_gather(colptr, row_t, perm, arg, g, weight, n_out: int):
     return out
 
 
-def arg_weight_grad(arg, g, x, col):
-    """``w = zeros(nnz); w[arg[r, j]] += x[col[arg[r, j]], j] * g[r, j]`` (arg >= 0)."""
-    arg = check_tensor(arg, "arg", dtypes=(torch.int64,), dim=2).contiguous()
-    g = _feat(g, "grad")
+def arg_weight_grad(arg, g, x, rowptr, col):
+    """``w = zeros(nnz); w[e] += x[col[e], j] * g[r, j]`` for each winner ``e = rowptr[r] + arg[r, j]``."""
+    arg, g, rowptr = _winners(arg, g, rowptr)
     x = _feat(x, "x")
     col = _idx(col, "col")
-    if arg.shape != g.shape or x.shape[1] != g.shape[1] or x.dtype != g.dtype:
-        raise ValueError("arg and grad must have one shape, x the same number of columns and dtype")
+    if x.dtype != g.dtype or x.shape[1] != g.shape[1]:
+        raise ValueError(f"x must be (n, F) with grad's F and dtype; got {tuple(x.shape)} {x.dtype}")
+    if col.numel() != int(rowptr[-1]):
+        raise ValueError(f"col must have rowptr[-1] = {int(rowptr[-1])} entries, got {col.numel()}")
     dt, ct = FEATURE_DTYPES[g.dtype]
     isuf, ict = INDEX_DTYPES[col.dtype]
     out = torch.empty(col.numel(), dtype=g.dtype)
     bad = native.ffi().new("int64_t *", -1)
-    st = _fn(f"arg_weight_grad_{dt}_{isuf}")(_p(arg, "int64_t *"), g.shape[0], g.shape[1], _p(g, ct),
-                                             _p(x, ct), x.shape[0], _p(col, ict), col.numel(), _p(out, ct),
+    st = _fn(f"arg_weight_grad_{dt}_{isuf}")(_p(arg, "int32_t *"), g.shape[0], g.shape[1], _p(g, ct), _p(x, ct),
+                                             x.shape[0], _p(rowptr, "int64_t *"), _p(col, ict), _p(out, ct),
                                              _nthreads(), bad)
-    if st == -1 and bad[0] <= -2:
-        _raise_index("arg_weight_grad", st, -2 - bad[0], "col", col, x.shape[0])
     if st:
-        _raise_index("arg_weight_grad", st, bad[0], "arg", arg.view(-1), col.numel())
+        _raise_winner("arg_weight_grad", st, bad[0], arg, rowptr, col, x.shape[0])
     return out
 
 

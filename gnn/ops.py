@@ -41,15 +41,15 @@ _ARG_REDUCES = ("amax", "amin")
 
 @torch.library.custom_op("cpu_opt::segment_reduce", mutates_args=())
 def segment_reduce_op(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], x: Tensor, reduce: str,
-                      base: Optional[Tensor], include_self: bool, arg_is_col: bool) -> tuple[Tensor, Tensor]:
-    return K.segment_reduce(rowptr, col, weight, x, reduce, base, include_self, arg_is_col)
+                      base: Optional[Tensor], include_self: bool) -> tuple[Tensor, Tensor]:
+    return K.segment_reduce(rowptr, col, weight, x, reduce, base, include_self)
 
 
 @segment_reduce_op.register_fake
-def _(rowptr, col, weight, x, reduce, base, include_self, arg_is_col):
+def _(rowptr, col, weight, x, reduce, base, include_self):
     n = rowptr.shape[0] - 1
     arg_shape = (n, x.shape[1]) if reduce in _ARG_REDUCES else (0,)
-    return x.new_empty(n, x.shape[1]), x.new_empty(arg_shape, dtype=torch.int64)
+    return x.new_empty(n, x.shape[1]), x.new_empty(arg_shape, dtype=torch.int32)
 
 
 @torch.library.custom_op("cpu_opt::sddmm", mutates_args=())
@@ -63,34 +63,34 @@ def _(rowptr, col, a, b):
 
 
 @torch.library.custom_op("cpu_opt::arg_scatter", mutates_args=())
-def arg_scatter_op(arg: Tensor, grad: Tensor, col: Optional[Tensor], weight: Optional[Tensor],
+def arg_scatter_op(arg: Tensor, grad: Tensor, rowptr: Tensor, col: Optional[Tensor], weight: Optional[Tensor],
                    n_out: int) -> Tensor:
-    return K.arg_scatter(arg, grad, col, weight, n_out)
+    return K.arg_scatter(arg, grad, rowptr, col, weight, n_out)
 
 
 @arg_scatter_op.register_fake
-def _(arg, grad, col, weight, n_out):
+def _(arg, grad, rowptr, col, weight, n_out):
     return grad.new_empty(n_out, grad.shape[1])
 
 
 @torch.library.custom_op("cpu_opt::arg_gather", mutates_args=())
-def arg_gather_op(colptr: Tensor, row_t: Tensor, perm: Tensor, arg: Tensor, grad: Tensor,
+def arg_gather_op(colptr: Tensor, row_t: Tensor, perm: Tensor, arg: Tensor, rowptr: Tensor, grad: Tensor,
                   weight: Optional[Tensor], n_out: int) -> Tensor:
-    return K.arg_gather(colptr, row_t, perm, arg, grad, weight, n_out)
+    return K.arg_gather(colptr, row_t, perm, arg, rowptr, grad, weight, n_out)
 
 
 @arg_gather_op.register_fake
-def _(colptr, row_t, perm, arg, grad, weight, n_out):
+def _(colptr, row_t, perm, arg, rowptr, grad, weight, n_out):
     return grad.new_empty(n_out, grad.shape[1])
 
 
 @torch.library.custom_op("cpu_opt::arg_weight_grad", mutates_args=())
-def arg_weight_grad_op(arg: Tensor, grad: Tensor, x: Tensor, col: Tensor) -> Tensor:
-    return K.arg_weight_grad(arg, grad, x, col)
+def arg_weight_grad_op(arg: Tensor, grad: Tensor, x: Tensor, rowptr: Tensor, col: Tensor) -> Tensor:
+    return K.arg_weight_grad(arg, grad, x, rowptr, col)
 
 
 @arg_weight_grad_op.register_fake
-def _(arg, grad, x, col):
+def _(arg, grad, x, rowptr, col):
     return grad.new_empty(col.shape[0])
 
 
@@ -142,28 +142,30 @@ def spmm_op(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], colptr: Tenso
 def _(rowptr, col, weight, colptr, row_t, perm_t, x, reduce):
     n = rowptr.shape[0] - 1
     arg_shape = (n, x.shape[1]) if reduce in _ARG_REDUCES else (0,)
-    return x.new_empty(n, x.shape[1]), x.new_empty(arg_shape, dtype=torch.int64)
+    return x.new_empty(n, x.shape[1]), x.new_empty(arg_shape, dtype=torch.int32)
 
 
 @torch.library.custom_op("cpu_opt::scatter_reduce", mutates_args=())
 def scatter_reduce_op(src: Tensor, index: Tensor, dim_size: int, reduce: str, base: Optional[Tensor],
-                      include_self: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """2-D ``src`` (E x F), 1-D ``index`` (E). Returns (out, arg, count): arg holds the winning
-    row of src for amax/amin (-1: base or nothing), count the number of src rows per output row."""
+                      include_self: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """2-D ``src`` (E x F), 1-D ``index`` (E). Returns (out, arg, count, perm): count is the number
+    of src rows per output row, perm the stable sort of index (output row r reduces src rows
+    ``perm[rowptr[r]:rowptr[r+1]]``, rowptr = [0, cumsum(count)]); arg (int32) holds the winner
+    for amax/amin as a position in that range (-1: base or nothing)."""
     K.check_tensor(src, "src", dtypes=tuple(K.FEATURE_DTYPES), dim=2)
     K.check_tensor(index, "index", dtypes=tuple(K.INDEX_DTYPES), dim=1)
     if index.numel() != src.shape[0]:
         raise ValueError(f"index has {index.numel()} entries but src has {src.shape[0]} rows along dim")
     rowptr, perm = sort_cache.get(index, dim_size)
-    out, arg = K.segment_reduce(rowptr, perm, None, src, reduce, base, include_self, arg_is_col=True)
-    return out, arg, rowptr[1:] - rowptr[:-1]
+    out, arg = K.segment_reduce(rowptr, perm, None, src, reduce, base, include_self)
+    return out, arg, rowptr[1:] - rowptr[:-1], perm.clone()
 
 
 @scatter_reduce_op.register_fake
 def _(src, index, dim_size, reduce, base, include_self):
     arg_shape = (dim_size, src.shape[1]) if reduce in _ARG_REDUCES else (0,)
-    return (src.new_empty(dim_size, src.shape[1]), src.new_empty(arg_shape, dtype=torch.int64),
-            src.new_empty(dim_size, dtype=torch.int64))
+    return (src.new_empty(dim_size, src.shape[1]), src.new_empty(arg_shape, dtype=torch.int32),
+            src.new_empty(dim_size, dtype=torch.int64), src.new_empty(index.shape[0], dtype=torch.int64))
 
 
 # ============================================================================ public API
@@ -261,7 +263,7 @@ def scatter_reduce(src: Tensor, index: Tensor, dim: int = 0, dim_size: Optional[
     rest = tuple(src.shape[:dim]) + tuple(src.shape[dim + 1:])
     s2 = _flatten_dim(src, dim).contiguous()
     b2 = _flatten_dim(input, dim).contiguous() if input is not None else None
-    out, _, _ = torch.ops.cpu_opt.scatter_reduce(s2, index, dim_size, reduce, b2, include_self)
+    out = torch.ops.cpu_opt.scatter_reduce(s2, index, dim_size, reduce, b2, include_self)[0]
     moved = src.movedim(dim, 0).shape[1:]
     return out.reshape((dim_size,) + tuple(moved)).movedim(0, dim) if rest else out.reshape(dim_size)
 

@@ -84,6 +84,23 @@ static int64_t KFN(check_rowptr)(const int64_t *rowptr, int64_t n_rows)
     return -1;
 }
 
+/* A winner index (n_rows x F, int32, relative to the row start; -1: none) is valid when every
+ * entry is -1 or inside its row: returns the first bad flat position or -1. */
+static int64_t KFN(first_bad_winner)(const int32_t *arg, const int64_t *rowptr, int64_t n_rows, int64_t F,
+                                     int nthreads)
+{
+    int64_t bad = INT64_MAX;
+#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(min:bad) if (n_rows * F > 65536)
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const int64_t len = rowptr[r + 1] - rowptr[r];
+        for (int64_t j = 0; j < F; ++j) {
+            const int64_t v = arg[r * F + j];
+            if ((v < -1 || v >= len) && r * F + j < bad) bad = r * F + j;
+        }
+    }
+    return bad == INT64_MAX ? -1 : bad;
+}
+
 #define CO_CHECK_RANGE(IDX_T)                                                                \
     static int64_t KFN(first_out_of_range_##IDX_T)(const IDX_T *idx, int64_t n, int64_t lo, \
                                                    int64_t hi, int nthreads)               \

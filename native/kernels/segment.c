@@ -6,7 +6,8 @@
  * permutation). Rows are split across threads by their number of nonzeros (no atomics); each
  * thread reduces a row into a small accumulator (float for f32/bf16, double for f64) and writes
  * it once. max/min record the winning position e in arg[r, j] (-1 where self or nothing won),
- * so their backward is a scatter (segment_backward.c); with arg_is_col they record col[e].
+ * so their backward is a scatter or a gather (segment_backward.c). The winner is stored as int32
+ * relative to the row start (e - rowptr[r]): half the bytes of an int64 position, for any nnz.
  * Every index is checked before any write: CO_ERR_UNSORTED (rowptr decreases; *bad_pos = the
  * position) or CO_ERR_INDEX_OUT_OF_RANGE (*bad_pos = the position in col). */
 

@@ -30,18 +30,22 @@ int64_t KFN(CO_N3(sddmm, CO_DT, CO_ISUF))(
     return CO_OK;
 }
 
-/* col NULL means the identity (arg holds rows of out directly).
- * out (n_out x F) = 0; then out[col[arg[r, j]], j] += weight[arg[r, j]] * g[r, j] for arg >= 0.
+/* arg: the winner index of segment_reduce (n_rows x F, int32, the winning nonzero relative to
+ * its row start, -1 for none); e = rowptr[r] + arg[r, j]. col NULL means the identity.
+ * out (n_out x F) = 0; then out[col[e], j] += weight[e] * g[r, j] for arg >= 0.
  * The backward of max/min: each winner gets its row's gradient. Threads own disjoint blocks of
  * feature columns, so there are no write conflicts and no atomics. */
 int64_t KFN(CO_N3(arg_scatter, CO_DT, CO_ISUF))(
-    const int64_t *arg, int64_t n_rows, int64_t F, const CO_T *g, const CO_IT *col, int64_t nnz,
+    const int32_t *arg, int64_t n_rows, int64_t F, const CO_T *g, const int64_t *rowptr, const CO_IT *col,
     const CO_T *weight, CO_T *out, int64_t n_out, int nthreads, int64_t *bad_pos)
 {
-    if (n_rows < 0 || F < 0 || nnz < 0 || n_out < 0 || nthreads < 1) return CO_ERR_BAD_ARGUMENT;
+    if (n_rows < 0 || F < 0 || n_out < 0 || nthreads < 1 || !rowptr) return CO_ERR_BAD_ARGUMENT;
     if ((n_rows * F > 0 && (!arg || !g)) || (n_out * F > 0 && !out))
         return CO_ERR_BAD_ARGUMENT;
-    int64_t bp = KFN(first_out_of_range_int64_t)(arg, n_rows * F, -1, nnz, nthreads);
+    int64_t bp = KFN(check_rowptr)(rowptr, n_rows);
+    if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_UNSORTED; }
+    const int64_t nnz = rowptr[n_rows];
+    bp = KFN(first_bad_winner)(arg, rowptr, n_rows, F, nthreads);
     if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_INDEX_OUT_OF_RANGE; }
     if (col) {
         bp = KFN(CO_N2(first_out_of_range, CO_IT))(col, nnz, 0, n_out, nthreads);
@@ -65,11 +69,11 @@ int64_t KFN(CO_N3(arg_scatter, CO_DT, CO_ISUF))(
         for (int64_t blk = 0; blk < nblk; ++blk) {
             const int64_t j0 = blk * 16, j1 = j0 + 16 < F ? j0 + 16 : F;
             for (int64_t r = 0; r < n_rows; ++r) {
-                const int64_t *ar = arg + r * F;
+                const int32_t *ar = arg + r * F;
                 const CO_T *gr = g + r * F;
                 for (int64_t j = j0; j < j1; ++j) {
-                    const int64_t e = ar[j];
-                    if (e >= 0) {
+                    if (ar[j] >= 0) {
+                        const int64_t e = rowptr[r] + ar[j];
                         const CO_ACC w = weight ? CO_LOAD(weight[e]) : (CO_ACC)1;
                         acc[(col ? (int64_t)col[e] : e) * F + j] += w * CO_LOAD(gr[j]);
                     }
@@ -87,16 +91,20 @@ int64_t KFN(CO_N3(arg_scatter, CO_DT, CO_ISUF))(
     return CO_OK;
 }
 
-/* out_w (nnz) = 0; then out_w[e] += x[col[e], j] * g[r, j] for every (r, j) with arg[r, j] = e.
- * The backward of max/min with respect to the edge weights. Parallel over rows: the positions
- * a row's arg holds are that row's own nonzeros, so rows write disjoint entries. */
+/* out_w (nnz) = 0; then out_w[e] += x[col[e], j] * g[r, j] for every (r, j) whose winner is
+ * e = rowptr[r] + arg[r, j] (arg as in arg_scatter). The backward of max/min with respect to the
+ * edge weights. Parallel over rows: a row's winners are its own nonzeros, so rows write
+ * disjoint entries. */
 int64_t KFN(CO_N3(arg_weight_grad, CO_DT, CO_ISUF))(
-    const int64_t *arg, int64_t n_rows, int64_t F, const CO_T *g, const CO_T *x, int64_t n_x,
-    const CO_IT *col, int64_t nnz, CO_T *out_w, int nthreads, int64_t *bad_pos)
+    const int32_t *arg, int64_t n_rows, int64_t F, const CO_T *g, const CO_T *x, int64_t n_x,
+    const int64_t *rowptr, const CO_IT *col, CO_T *out_w, int nthreads, int64_t *bad_pos)
 {
-    if (n_rows < 0 || F < 0 || nnz < 0 || n_x < 0 || nthreads < 1) return CO_ERR_BAD_ARGUMENT;
+    if (n_rows < 0 || F < 0 || n_x < 0 || nthreads < 1 || !rowptr) return CO_ERR_BAD_ARGUMENT;
+    int64_t bp = KFN(check_rowptr)(rowptr, n_rows);
+    if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_UNSORTED; }
+    const int64_t nnz = rowptr[n_rows];
     if ((n_rows * F > 0 && (!arg || !g)) || (nnz > 0 && (!col || !out_w))) return CO_ERR_BAD_ARGUMENT;
-    int64_t bp = KFN(first_out_of_range_int64_t)(arg, n_rows * F, -1, nnz, nthreads);
+    bp = KFN(first_bad_winner)(arg, rowptr, n_rows, F, nthreads);
     if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_INDEX_OUT_OF_RANGE; }
     bp = KFN(CO_N2(first_out_of_range, CO_IT))(col, nnz, 0, n_x, nthreads);
     if (bp >= 0) { if (bad_pos) *bad_pos = -2 - bp; return CO_ERR_INDEX_OUT_OF_RANGE; }
@@ -108,11 +116,13 @@ int64_t KFN(CO_N3(arg_weight_grad, CO_DT, CO_ISUF))(
         for (int64_t e = 0; e < nnz; ++e) acc[e] = 0;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n_rows; ++r) {
-            const int64_t *ar = arg + r * F;
+            const int32_t *ar = arg + r * F;
             const CO_T *gr = g + r * F;
             for (int64_t j = 0; j < F; ++j) {
-                const int64_t e = ar[j];
-                if (e >= 0) acc[e] += CO_LOAD(x[(int64_t)col[e] * F + j]) * CO_LOAD(gr[j]);
+                if (ar[j] >= 0) {
+                    const int64_t e = rowptr[r] + ar[j];
+                    acc[e] += CO_LOAD(x[(int64_t)col[e] * F + j]) * CO_LOAD(gr[j]);
+                }
             }
         }
 #pragma omp for schedule(static)
@@ -129,14 +139,16 @@ int64_t KFN(CO_N3(arg_weight_grad, CO_DT, CO_ISUF))(
  * The same result as arg_scatter(arg, g, col, weight) (arg holds CSR positions e), but each
  * thread owns whole output rows (balanced by nonzeros): no zeroing pass and no scattered
  * read-modify-writes; the rows of arg and g an edge needs are contiguous and prefetched
- * CO_PF_DIST edges ahead. arg is only compared, never used as an address, so it needs no check. */
+ * CO_PF_DIST edges ahead. arg is only compared, never used as an address, so it needs no check;
+ * rowptr (n_rows + 1 entries) is read at rows that row_t's check bounds. */
 int64_t KFN(CO_N3(arg_gather, CO_DT, CO_ISUF))(
     const int64_t *colptr, int64_t n_out, const CO_IT *row_t, const int64_t *perm, int64_t nnz,
-    const int64_t *arg, const CO_T *g, int64_t n_rows, int64_t F, const CO_T *weight, CO_T *out,
-    int nthreads, int64_t *bad_pos)
+    const int32_t *arg, const int64_t *rowptr, const CO_T *g, int64_t n_rows, int64_t F, const CO_T *weight,
+    CO_T *out, int nthreads, int64_t *bad_pos)
 {
     if (n_out < 0 || nnz < 0 || n_rows < 0 || F < 0 || nthreads < 1 || !colptr) return CO_ERR_BAD_ARGUMENT;
-    if ((n_rows * F > 0 && (!arg || !g)) || (n_out * F > 0 && !out) || (nnz > 0 && (!row_t || !perm)))
+    if ((n_rows * F > 0 && (!arg || !g)) || (n_out * F > 0 && !out) || (nnz > 0 && (!row_t || !perm))
+        || !rowptr)
         return CO_ERR_BAD_ARGUMENT;
     int64_t bp = KFN(check_rowptr)(colptr, n_out);
     if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_UNSORTED; }
@@ -165,16 +177,17 @@ int64_t KFN(CO_N3(arg_gather, CO_DT, CO_ISUF))(
                     if (k + CO_PF_DIST < k_stop) {
                         const int64_t rp = (int64_t)row_t[k + CO_PF_DIST];
                         const char *pa = (const char *)(arg + rp * F), *pg = (const char *)(g + rp * F);
-                        for (int64_t b = 0; b < F * (int64_t)sizeof(int64_t); b += 64) __builtin_prefetch(pa + b);
+                        for (int64_t b = 0; b < F * (int64_t)sizeof(int32_t); b += 64) __builtin_prefetch(pa + b);
                         for (int64_t b = 0; b < F * (int64_t)sizeof(CO_T); b += 64) __builtin_prefetch(pg + b);
                     }
                     const int64_t r = (int64_t)row_t[k], e = perm[k];
-                    const int64_t *restrict ar = arg + r * F;
+                    const int32_t rel = (int32_t)(e - rowptr[r]); /* this edge's place in row r */
+                    const int32_t *restrict ar = arg + r * F;
                     const CO_T *restrict gr = g + r * F;
                     const CO_ACC w = weight ? CO_LOAD(weight[e]) : (CO_ACC)1;
                     for (int64_t j = 0; j < F; ++j) {
                         const CO_ACC v = w * CO_LOAD(gr[j]);
-                        acc[j] += CO_KEEP(v, ar[j] == e);
+                        acc[j] += CO_KEEP(v, ar[j] == rel);
                     }
                 }
                 CO_T *restrict o = out + i * F;

@@ -4,7 +4,7 @@
 int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
     const int64_t *rowptr, int64_t n_rows, const CO_IT *col, const CO_T *weight,
     const CO_T *x, int64_t n_x, int64_t F, int reduce, const CO_T *self, int include_self,
-    CO_T *out, int64_t *arg, int arg_is_col, int nthreads, int64_t *bad_pos)
+    CO_T *out, int32_t *arg, int nthreads, int64_t *bad_pos)
 {
     if (n_rows < 0 || n_x < 0 || F < 0 || nthreads < 1 || reduce < CO_RED_SUM || reduce > CO_RED_PROD ||
         !rowptr || (!out && n_rows * F > 0) || (!x && n_x * F > 0))
@@ -127,10 +127,7 @@ int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
                             }
                         }
                     }
-                    if (arg && arg_is_col)
-                        for (int64_t j = 0; j < F; ++j) arg[r * F + j] = ab[j] >= 0 ? (int64_t)col[s + ab[j]] : -1;
-                    else if (arg)
-                        for (int64_t j = 0; j < F; ++j) arg[r * F + j] = ab[j] >= 0 ? s + ab[j] : -1;
+                    if (arg) for (int64_t j = 0; j < F; ++j) arg[r * F + j] = ab[j];
                 }
                 (void)is_arg;
                 for (int64_t j = 0; j < F; ++j) o[j] = CO_STORE(acc[j]);

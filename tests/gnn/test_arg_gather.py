@@ -31,8 +31,8 @@ def test_arg_gather_equals_arg_scatter(case, variant, dtype):
         for reduce in ("amax", "amin"):
             for weight in (None, w):
                 _, arg = K.segment_reduce(g.rowptr, g.col, weight, x, reduce)
-                want = K.arg_scatter(arg, go, g.col, weight, n_cols)
-                got = K.arg_gather(colptr, row_t, perm_t, arg, go, weight, n_cols)
+                want = K.arg_scatter(arg, go, g.rowptr, g.col, weight, n_cols)
+                got = K.arg_gather(colptr, row_t, perm_t, arg, g.rowptr, go, weight, n_cols)
                 # one winner per (row, feature): the same terms, summed in another order
                 tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else {}
                 torch.testing.assert_close(got, want, **tol)
@@ -85,21 +85,21 @@ def test_arg_gather_errors():
     bad_row = row_t.clone()
     bad_row[3] = n_rows
     with pytest.raises(IndexError, match=r"arg_gather: row_t\[3\] = 40 is out of range \[0, 40\)"):
-        K.arg_gather(colptr, bad_row, perm_t, arg, go, None, n_cols)
+        K.arg_gather(colptr, bad_row, perm_t, arg, g.rowptr, go, None, n_cols)
     bad_perm = perm_t.clone()
     bad_perm[5] = -1
     with pytest.raises(IndexError, match=r"perm\[5\] = -1"):
-        K.arg_gather(colptr, row_t, bad_perm, arg, go, torch.ones(g.nnz), n_cols)
+        K.arg_gather(colptr, row_t, bad_perm, arg, g.rowptr, go, torch.ones(g.nnz), n_cols)
     with pytest.raises(ValueError, match="colptr must have n_out"):
-        K.arg_gather(colptr, row_t, perm_t, arg, go, None, n_cols + 1)
+        K.arg_gather(colptr, row_t, perm_t, arg, g.rowptr, go, None, n_cols + 1)
     with pytest.raises(ValueError, match="arg shape"):
-        K.arg_gather(colptr, row_t, perm_t, arg[:, :2], go, None, n_cols)
+        K.arg_gather(colptr, row_t, perm_t, arg[:, :2], g.rowptr, go, None, n_cols)
     with pytest.raises(ValueError, match="perm must have one entry per nonzero"):
-        K.arg_gather(colptr, row_t, perm_t[:-1], arg, go, None, n_cols)
+        K.arg_gather(colptr, row_t, perm_t[:-1], arg, g.rowptr, go, None, n_cols)
     unsorted = colptr.clone()
     unsorted[2], unsorted[3] = colptr[3] + 1, colptr[2]
     with pytest.raises(ValueError, match="never decrease"):
-        K.arg_gather(unsorted, row_t, perm_t, arg, go, None, n_cols)
+        K.arg_gather(unsorted, row_t, perm_t, arg, g.rowptr, go, None, n_cols)
 
 
 def _thp_available() -> bool:
@@ -118,3 +118,21 @@ def test_hugepage_advice():
     assert t.shape == (1 << 20, 3) and t.dtype == torch.float64
     t.fill_(1.5)
     assert float(t.sum()) == 1.5 * 3 * (1 << 20)
+
+
+def test_winner_index_outside_its_row_is_refused_before_any_write():
+    g, n_rows, n_cols, *_ = _graph("random")
+    x, go = torch.randn(n_cols, 4), torch.randn(n_rows, 4)
+    _, arg = K.segment_reduce(g.rowptr, g.col, None, x, "amax")
+    assert arg.dtype == torch.int32
+    deg = g.rowptr[1:] - g.rowptr[:-1]
+    r = int(torch.nonzero(deg > 0)[0])
+    bad = arg.clone()
+    bad[r, 2] = int(deg[r])  # one past the row's last nonzero
+    with pytest.raises(IndexError, match=rf"arg_scatter: arg\[{r}, 2\] = {int(deg[r])} is not -1 or a position in row {r}"):
+        K.arg_scatter(bad, go, g.rowptr, g.col, None, n_cols)
+    bad[r, 2] = -2
+    with pytest.raises(IndexError, match="arg_weight_grad: arg"):
+        K.arg_weight_grad(bad, go, x, g.rowptr, g.col)
+    with pytest.raises(TypeError, match="arg"):
+        K.arg_scatter(arg.long(), go, g.rowptr, g.col, None, n_cols)

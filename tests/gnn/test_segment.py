@@ -229,19 +229,19 @@ def test_kernel_checks_before_writing(variant):
     rowptr = torch.tensor([0, 2, 3, 5])
     x = torch.randn(4, 8)
     out = torch.full((3, 8), 123.0)
-    arg = torch.full((3, 8), 77, dtype=torch.int64)
+    arg = torch.full((3, 8), 77, dtype=torch.int32)
     bad = ffi.new("int64_t *", -1)
     fn = native.kernel("segment_reduce_f32_i64", variant)
     p = lambda t, c: ffi.cast(c, t.data_ptr())  # noqa: E731
     for col, want_status, want_pos in ((torch.tensor([0, 1, 2, 3, 4]), -1, 4),
                                        (torch.tensor([0, -1, 2, 3, 1]), -1, 1)):
         st = fn(p(rowptr, "int64_t *"), 3, p(col, "int64_t *"), ffi.NULL, p(x, "float *"), 4, 8, 2, ffi.NULL, 0,
-                p(out, "float *"), p(arg, "int64_t *"), 0, 1, bad)
+                p(out, "float *"), p(arg, "int32_t *"), 1, bad)
         assert (st, bad[0]) == (want_status, want_pos)
         assert bool((out == 123.0).all()) and bool((arg == 77).all())
     bad_rowptr, col = torch.tensor([0, 3, 2, 5]), torch.tensor([0, 1, 2, 3, 0])  # kept alive across the call
     st = fn(p(bad_rowptr, "int64_t *"), 3, p(col, "int64_t *"), ffi.NULL,
-            p(x, "float *"), 4, 8, 0, ffi.NULL, 0, p(out, "float *"), ffi.NULL, 0, 1, bad)
+            p(x, "float *"), 4, 8, 0, ffi.NULL, 0, p(out, "float *"), ffi.NULL, 1, bad)
     assert (st, bad[0]) == (-3, 2)
     assert bool((out == 123.0).all())
     with pytest.raises(ValueError, match="rowptr must start at 0 and never decrease"):

@@ -138,7 +138,7 @@ def test_torch_compile_ops():
     def f(x, w, s):
         a, _ = torch.ops.cpu_opt.spmm(g.rowptr, g.col, w, colptr, row_t, perm_t, x, "mean")
         b, _ = torch.ops.cpu_opt.spmm(g.rowptr, g.col, None, colptr, row_t, perm_t, x, "amax")
-        c, _, _ = torch.ops.cpu_opt.scatter_reduce(s, dst, g.n_rows, "amin", None, False)
+        c = torch.ops.cpu_opt.scatter_reduce(s, dst, g.n_rows, "amin", None, False)[0]
         d = torch.ops.cpu_opt.gather(x, src)
         return (a * 2).sum() + b.sum() + c.sum() + d.sum()
 
