@@ -1,4 +1,4 @@
-"""python -m bench gnn [--quick] [--threads 1,2] [--skip-training]
+"""python -m bench gnn [--quick] [--threads 1,2] [--skip-training] [--pyg-extensions]
 
 cpu_opt.gnn kernels and PyG training epochs against the honest stock-torch baselines, measured
 interleaved in one process (bench.runner.measure), at 1 and 2 threads:
@@ -13,8 +13,10 @@ interleaved in one process (bench.runner.measure), at 1 and 2 threads:
   hidden behind ``bernoulli_``) of GraphSAGE-mean, GraphSAGE-max, GCN and GIN: cpu_opt
   (``gnn.optimize``) against PyG's default ``edge_index`` path and PyG with a torch CSR ``adj_t``.
 
-torch_scatter / torch_sparse are not measured: they only build from source here (7-15 min of both
-cores each) and were slower than stock torch when tried (see shared KNOWN.md).
+``--pyg-extensions`` instead compares scatter with ``torch_scatter.scatter`` and spmm with
+``torch_sparse.matmul`` (PyG's former C++ extensions), those of them installed: there are no
+wheels for torch 2.13, they build from source (``pip install --no-build-isolation torch-scatter
+torch-sparse``, 7-15 min of both cores each), so they are not dependencies of cpu_opt.
 
 Graphs: 100k nodes, 1M edges, 64 features (``--quick``: 20k nodes, 200k edges), uniform and R-MAT
 power-law (gnn/rmat.py, seeded). Writes bench/results/gnn.json and gnn_kernels.png / gnn_training.png.
@@ -79,7 +81,7 @@ def bench_kernels(rep: Report, n, e, f, threads, repeats, max_seconds, graphs):
                               "cpu_opt_fb": c_fb}, warmup=1, repeats=repeats, max_seconds=max_seconds)
                 nbytes = e * f * 4 + n * f * 4 + e * g.col.element_size() + (n + 1) * 8
                 if r in ("amax", "amin"):
-                    nbytes += n * f * 8  # the saved winner index
+                    nbytes += n * f * 4  # the saved winner index (int32)
                 for mode, a, b in (("fwd", "cpu_opt", "torch"), ("fwd+bwd", "cpu_opt_fb", "torch_fb")):
                     row = dict(kind="kernel", graph=gname, threads=th, op=f"spmm_{r}", mode=mode,
                                cpu_opt_ms=st[a].median * 1e3, torch_ms=st[b].median * 1e3,
@@ -129,6 +131,78 @@ def bench_kernels(rep: Report, n, e, f, threads, repeats, max_seconds, graphs):
                     row["gbs"] = (2 * e * f * 4 + e * 8) / st[a].median / 1e9
                     row["pct_bw"] = 100 * row["gbs"] / bw
                 rep.add(**row)
+
+
+def bench_torch_scatter(rep: Report, n, e, f, threads, repeats, max_seconds, graphs):
+    """cpu_opt's scatter against torch_scatter (PyG's former C++ extension), when it is installed:
+    it is not on PyPI as a wheel for torch 2.13 and builds from source (pip install --no-build-isolation
+    torch-scatter, about 7 min of both cores here)."""
+    import torch_scatter
+
+    from cpu_opt import gnn
+
+    for gname, ei in graphs.items():
+        dst = ei[1].contiguous()
+        msg = torch.randn(e, f)
+        msgg = msg.clone().requires_grad_()
+        go = torch.randn(n, f)
+        gnn.sort_cache.get(dst, n)
+        for th in threads:
+            torch.set_num_threads(th)
+            for r, ts_r in (("sum", "sum"), ("mean", "mean"), ("amax", "max"), ("amin", "min")):
+                def t_fwd(ts_r=ts_r):
+                    return torch_scatter.scatter(msg, dst, 0, None, n, ts_r)
+
+                def t_fb(ts_r=ts_r):
+                    msgg.grad = None
+                    torch_scatter.scatter(msgg, dst, 0, None, n, ts_r).backward(go)
+
+                def c_fb(r=r):
+                    msgg.grad = None
+                    gnn.scatter(msgg, dst, 0, n, r).backward(go)
+
+                st = measure({"torch_scatter": t_fwd, "cpu_opt": lambda r=r: gnn.scatter(msg, dst, 0, n, r),
+                              "torch_scatter_fb": t_fb, "cpu_opt_fb": c_fb}, warmup=1, repeats=repeats,
+                             max_seconds=max_seconds)
+                for mode, a, b in (("fwd", "cpu_opt", "torch_scatter"), ("fwd+bwd", "cpu_opt_fb", "torch_scatter_fb")):
+                    rep.add(kind="kernel", graph=gname, threads=th, op=f"scatter_{r}", mode=mode,
+                            cpu_opt_ms=st[a].median * 1e3, torch_ms=st[b].median * 1e3,
+                            speedup=st[b].median / st[a].median, baseline="torch_scatter.scatter")
+
+
+def bench_torch_sparse(rep: Report, n, e, f, threads, repeats, max_seconds, graphs):
+    """cpu_opt's spmm against torch_sparse's ``matmul(SparseTensor, x, reduce)`` (PyG's former
+    sparse backend), when it is installed (built from source: about 15 min of both cores here)."""
+    import torch_sparse
+
+    from cpu_opt import gnn
+
+    for gname, ei in graphs.items():
+        g = gnn.CSRGraph.from_edge_index(ei, n)
+        g.csc()
+        adj = torch_sparse.SparseTensor(rowptr=g.rowptr, col=g.col, sparse_sizes=(n, n))
+        adj.storage.csr2csc()  # its transpose for backward, built once like cpu_opt's (not timed)
+        x = torch.randn(n, f)
+        xg = x.clone().requires_grad_()
+        go = torch.randn(n, f)
+        for th in threads:
+            torch.set_num_threads(th)
+            for r, ts_r in (("sum", "sum"), ("mean", "mean"), ("amax", "max"), ("amin", "min")):
+                def t_fb(ts_r=ts_r):
+                    xg.grad = None
+                    torch_sparse.matmul(adj, xg, ts_r).backward(go)
+
+                def c_fb(r=r):
+                    xg.grad = None
+                    gnn.spmm(g, xg, r).backward(go)
+
+                st = measure({"torch_sparse": lambda ts_r=ts_r: torch_sparse.matmul(adj, x, ts_r),
+                              "cpu_opt": lambda r=r: gnn.spmm(g, x, r), "torch_sparse_fb": t_fb, "cpu_opt_fb": c_fb},
+                             warmup=1, repeats=repeats, max_seconds=max_seconds)
+                for mode, a, b in (("fwd", "cpu_opt", "torch_sparse"), ("fwd+bwd", "cpu_opt_fb", "torch_sparse_fb")):
+                    rep.add(kind="kernel", graph=gname, threads=th, op=f"spmm_{r}", mode=mode,
+                            cpu_opt_ms=st[a].median * 1e3, torch_ms=st[b].median * 1e3,
+                            speedup=st[b].median / st[a].median, baseline="torch_sparse.matmul")
 
 
 def _models(f_in, hidden, classes):
@@ -214,19 +288,45 @@ def main(quick: bool = False, argv=None):
     p.add_argument("--threads", default="1,2")
     p.add_argument("--skip-training", action="store_true")
     p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--pyg-extensions", action="store_true",
+                   help="instead of the default set: compare with torch_scatter / torch_sparse, those of them "
+                        "installed (writes gnn_pyg_extensions.json)")
     args = p.parse_args(argv or [])
     threads = [int(t) for t in args.threads.split(",")]
     n, e, f = (20_000, 200_000, 64) if quick else (100_000, 1_000_000, 64)
     repeats, max_s = (3, 5.0) if quick else (5, 20.0)
     old = torch.get_num_threads()
-    rep = Report("gnn" if not quick else "gnn_quick", nodes=n, edges=e, features=f,
-                 torch_scatter="not measured: builds from source only (7-15 min of both cores); slower than torch when tried")
+    try:
+        import torch_scatter
+        ts_note = f"torch_scatter {torch_scatter.__version__} (built from source here)"
+    except ImportError:
+        torch_scatter = None
+        ts_note = ("not installed: no wheel for torch 2.13 on PyPI; builds from source "
+                   "(pip install --no-build-isolation torch-scatter, ~7 min of both cores)")
+    try:
+        import torch_sparse
+        tsp_note = f"torch_sparse {torch_sparse.__version__} (built from source here)"
+    except ImportError:
+        torch_sparse = None
+        tsp_note = ("not installed: no wheel for torch 2.13 on PyPI; builds from source "
+                    "(pip install --no-build-isolation torch-sparse, ~15 min of both cores)")
+    rep = Report("gnn" if not quick else "gnn_quick", nodes=n, edges=e, features=f, torch_scatter=ts_note,
+                 torch_sparse=tsp_note)
+    if args.pyg_extensions:
+        rep.name = "gnn_pyg_extensions"
     t0 = time.time()
     graphs = _graphs(n, e)
     try:
-        if not args.skip_kernels:
+        if args.pyg_extensions:
+            if torch_scatter is None and torch_sparse is None:
+                raise SystemExit("--pyg-extensions: neither torch_scatter nor torch_sparse is installed")
+            if torch_scatter is not None:
+                bench_torch_scatter(rep, n, e, f, threads, repeats, max_s, graphs)
+            if torch_sparse is not None:
+                bench_torch_sparse(rep, n, e, f, threads, repeats, max_s, graphs)
+        elif not args.skip_kernels:
             bench_kernels(rep, n, e, f, threads, repeats, max_s, graphs)
-        if not args.skip_training:
+        if not args.skip_training and not args.pyg_extensions:
             bench_training(rep, n, e, f, threads, max(3, repeats - 2), max_s, graphs)
     finally:
         torch.set_num_threads(old)
@@ -243,7 +343,7 @@ def main(quick: bool = False, argv=None):
         Report.print_table(_subset(rep, t), ["graph", "threads", "op", "cpu_opt_ms", "pyg_edge_index_ms",
                                              "pyg_csr_ms", "speedup_vs_edge_index", "speedup_vs_csr"])
     rep.save()
-    if not quick:
+    if not quick and not args.pyg_extensions:
         _charts(rep, max(threads))
     return rep
 
