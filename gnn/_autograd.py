@@ -4,8 +4,9 @@ Backward formulas, each built from the cpu_opt ops themselves so ``torch.compile
 
 * ``spmm`` sum/mean: dx = A^T g (mean: g scaled by 1/deg first), run as a forward segment
   reduction over the CSC transpose cached with the graph; dw[e] = <g[row(e)], x[col[e]]> (sddmm).
-* ``spmm`` amax/amin: from the winner index saved by the forward pass: dx gathered over the
-  cached CSC transpose (each edge adds g where it won), dw scattered to the winning edges.
+* ``spmm`` amax/amin: from the winners saved by the forward pass (an index per output row and
+  feature, or a bit mask per nonzero where that is smaller): dx gathered over the cached CSC
+  transpose (each edge adds g where it won), dw summed over each edge's winning features.
 * ``scatter_reduce`` sum/mean: dsrc = g[index] (mean: / count); amax/amin: a scatter from the
   saved winners; prod: torch's own formula (zeros handled), in cpu_opt ops.
   d(base) as torch defines it for include_self True / False.
@@ -49,6 +50,11 @@ def _spmm_backward(ctx, grad_out, _grad_arg):
             grad_x, _ = torch.ops.cpu_opt.segment_reduce(colptr, row_t, w_t, g, "sum", None, False)
         if need_w:
             grad_w = torch.ops.cpu_opt.sddmm(rowptr, col, g, x)
+    elif arg.dtype == torch.int64:  # the winners as a bit mask per nonzero (sparser graphs)
+        if need_x:
+            grad_x = torch.ops.cpu_opt.mask_gather(colptr, row_t, perm_t, arg, g, weight, ctx.n_x)
+        if need_w:
+            grad_w = torch.ops.cpu_opt.mask_weight_grad(arg, g, x, rowptr, col)
     else:
         if need_x:  # gathered over the cached CSC: each thread owns whole rows of grad_x
             grad_x = torch.ops.cpu_opt.arg_gather(colptr, row_t, perm_t, arg, rowptr, g, weight, ctx.n_x)

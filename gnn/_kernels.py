@@ -112,13 +112,16 @@ def _check_rowptr(rowptr, n_rows_hint=None):
 # ----------------------------------------------------------------------------- forward
 
 def segment_reduce(rowptr, col, weight, x, reduce: str, self=None, include_self: bool = False,
-                   want_arg: bool = True):
+                   want_arg: bool = True, mask: bool = False):
     """``out[r] = reduce_{e in [rowptr[r], rowptr[r+1])} weight[e] * x[col[e]]`` (see segment.c).
 
     Returns ``(out, arg)``; for amax/amin ``arg`` (int32, n_rows x F) holds the winning nonzero
     relative to its row start (``e = rowptr[r] + arg[r, j]``), -1 where self or nothing won; an
     empty tensor for the other reductions, and for amax/amin with ``want_arg=False`` (no gradient
-    wanted: the kernel then skips tracking the winners, about half its time)."""
+    wanted: the kernel then skips tracking the winners, about half its time).
+    ``mask=True`` returns the winners as a bit mask instead (int64 words, nnz x ceil(F / 64): bit
+    ``j % 64`` of word ``j // 64`` of nonzero e is set iff e won feature j of its row; see
+    :func:`use_winner_mask`)."""
     reduce = canonical_reduce(reduce)
     rowptr = _check_rowptr(rowptr)
     col = _idx(col, "col")
@@ -144,15 +147,34 @@ def segment_reduce(rowptr, col, weight, x, reduce: str, self=None, include_self:
     isuf, ict = INDEX_DTYPES[col.dtype]
     out = native.empty(n_rows, F, dtype=x.dtype)
     want_arg = want_arg and reduce in ("amax", "amin")
-    arg = native.empty(n_rows, F, dtype=torch.int32) if want_arg else torch.empty(0, dtype=torch.int32)
+    wmask = None
+    if want_arg and mask:
+        arg = wmask = native.empty(col.numel(), mask_words(F), dtype=torch.int64)
+    elif want_arg:
+        arg = native.empty(n_rows, F, dtype=torch.int32)
+    else:
+        arg = torch.empty(0, dtype=torch.int32)
     bad = native.ffi().new("int64_t *", -1)
     st = _fn(f"segment_reduce_{dt}_{isuf}")(
         _p(rowptr, "int64_t *"), n_rows, _p(col, ict), _p(weight, ct), _p(x, ct), x.shape[0], F,
         REDUCE_CODES[reduce], _p(self, ct), int(bool(include_self)), _p(out, ct),
-        _p(arg if want_arg else None, "int32_t *"), _nthreads(), bad)
+        _p(arg if want_arg and wmask is None else None, "int32_t *"), _p(wmask, "uint64_t *"), _nthreads(), bad)
     if st:
         _raise_index("segment_reduce", st, bad[0], "col", col, x.shape[0], rowptr)
     return out, arg
+
+
+def mask_words(F: int) -> int:
+    """64-bit words of the winner mask per nonzero for F features."""
+    return (F + 63) // 64
+
+
+def use_winner_mask(nnz: int, n_rows: int, F: int) -> bool:
+    """Whether max/min spmm records its winners as a bit mask per nonzero (8 bytes per 64
+    features) rather than an int32 index per output row and feature: whichever is smaller, i.e.
+    the mask while the average degree is below about 32. The mask's backward also skips the
+    gradient rows of nonzeros that won nothing."""
+    return nnz * mask_words(F) * 8 <= n_rows * F * 4
 
 
 # ----------------------------------------------------------------------------- backward
@@ -228,15 +250,11 @@ def arg_scatter(arg, g, rowptr, col, weight, n_out: int):
     return out
 
 
-def arg_gather(colptr, row_t, perm, arg, rowptr, g, weight, n_out: int):
-    """The max/min spmm gradient of x over the CSC transpose ``(colptr, row_t, perm)`` of the CSR
-    ``(rowptr, col)``: ``out[i] = sum_{k in col i, rowptr[r] + arg[r] == perm[k]} weight[perm[k]] * g[r]``
-    with ``r = row_t[k]`` — what :func:`arg_scatter` gives with ``col``, without scattered writes
-    (see segment_backward_tmpl.h)."""
+def _csc_args(colptr, row_t, perm, weight, g, n_out):
+    """The checks arg_gather and mask_gather share: the CSC transpose and the edge weights."""
     colptr = check_tensor(colptr, "colptr", dtypes=(torch.int64,), dim=1).contiguous()
     row_t = _idx(row_t, "row_t")
     perm = check_tensor(perm, "perm", dtypes=(torch.int64,), dim=1).contiguous()
-    arg, g, rowptr = _winners(arg, g, rowptr)
     if colptr.numel() != n_out + 1:
         raise ValueError(f"colptr must have n_out + 1 = {n_out + 1} entries, got {colptr.numel()}")
     nnz = row_t.numel()
@@ -248,6 +266,17 @@ def arg_gather(colptr, row_t, perm, arg, rowptr, g, weight, n_out: int):
             raise ValueError("weight must have one entry per nonzero and grad's dtype")
     if int(colptr[-1]) != nnz:
         raise ValueError(f"colptr[-1] = {int(colptr[-1])} must equal the number of nonzeros {nnz}")
+    return colptr, row_t, perm, weight
+
+
+def arg_gather(colptr, row_t, perm, arg, rowptr, g, weight, n_out: int):
+    """The max/min spmm gradient of x over the CSC transpose ``(colptr, row_t, perm)`` of the CSR
+    ``(rowptr, col)``: ``out[i] = sum_{k in col i, rowptr[r] + arg[r] == perm[k]} weight[perm[k]] * g[r]``
+    with ``r = row_t[k]`` — what :func:`arg_scatter` gives with ``col``, without scattered writes
+    (see segment_backward_tmpl.h)."""
+    arg, g, rowptr = _winners(arg, g, rowptr)
+    colptr, row_t, perm, weight = _csc_args(colptr, row_t, perm, weight, g, n_out)
+    nnz = row_t.numel()
     dt, ct = FEATURE_DTYPES[g.dtype]
     isuf, ict = INDEX_DTYPES[row_t.dtype]
     out = native.empty(n_out, g.shape[1], dtype=g.dtype)
@@ -280,6 +309,68 @@ def arg_weight_grad(arg, g, x, rowptr, col):
                                              _nthreads(), bad)
     if st:
         _raise_winner("arg_weight_grad", st, bad[0], arg, rowptr, col, x.shape[0])
+    return out
+
+
+def _check_mask(wmask, nnz, F):
+    wmask = check_tensor(wmask, "wmask", dtypes=(torch.int64,), dim=2).contiguous()
+    if tuple(wmask.shape) != (nnz, mask_words(F)):
+        raise ValueError(f"wmask must have shape (nnz, ceil(F / 64)) = {(nnz, mask_words(F))}, got {tuple(wmask.shape)}")
+    return wmask
+
+
+def _raise_mask(kernel, st, F):
+    if st == -2:
+        raise ValueError(f"{kernel}: wmask has a bit set at or past F = {F} (not a winner mask of {F} features)")
+
+
+def mask_gather(colptr, row_t, perm, wmask, g, weight, n_out: int):
+    """The max/min spmm gradient of x from the winner mask: ``out[i] = sum_{k in col i, bit j of
+    wmask[perm[k]]} weight[perm[k]] * g[row_t[k], j]`` over the CSC transpose ``(colptr, row_t, perm)``."""
+    g = _feat(g, "grad")
+    colptr, row_t, perm, weight = _csc_args(colptr, row_t, perm, weight, g, n_out)
+    nnz = row_t.numel()
+    wmask = _check_mask(wmask, nnz, g.shape[1])
+    dt, ct = FEATURE_DTYPES[g.dtype]
+    isuf, ict = INDEX_DTYPES[row_t.dtype]
+    out = native.empty(n_out, g.shape[1], dtype=g.dtype)
+    bad = native.ffi().new("int64_t *", -1)
+    st = _fn(f"mask_gather_{dt}_{isuf}")(_p(colptr, "int64_t *"), n_out, _p(row_t, ict), _p(perm, "int64_t *"), nnz,
+                                         _p(wmask, "uint64_t *"), _p(g, ct), g.shape[0], g.shape[1], _p(weight, ct),
+                                         _p(out, ct), _nthreads(), bad)
+    _raise_mask("mask_gather", st, g.shape[1])
+    if st == -1 and bad[0] <= -2:
+        _raise_index("mask_gather", st, -2 - bad[0], "perm", perm, nnz)
+    if st:
+        _raise_index("mask_gather", st, bad[0], "row_t", row_t, g.shape[0], colptr)
+    return out
+
+
+def mask_weight_grad(wmask, g, x, rowptr, col):
+    """``w[e] = sum_{bit j of wmask[e]} x[col[e], j] * g[row(e), j]``: the max/min spmm gradient of
+    the edge weights from the winner mask."""
+    g = _feat(g, "grad")
+    x = _feat(x, "x")
+    col = _idx(col, "col")
+    rowptr = _check_rowptr(rowptr)
+    if rowptr.numel() != g.shape[0] + 1:
+        raise ValueError(f"rowptr must have one entry per row of grad plus one ({g.shape[0] + 1}), "
+                         f"got {rowptr.numel()}")
+    if x.dtype != g.dtype or x.shape[1] != g.shape[1]:
+        raise ValueError(f"x must be (n, F) with grad's F and dtype; got {tuple(x.shape)} {x.dtype}")
+    if col.numel() != int(rowptr[-1]):
+        raise ValueError(f"col must have rowptr[-1] = {int(rowptr[-1])} entries, got {col.numel()}")
+    wmask = _check_mask(wmask, col.numel(), g.shape[1])
+    dt, ct = FEATURE_DTYPES[g.dtype]
+    isuf, ict = INDEX_DTYPES[col.dtype]
+    out = torch.empty(col.numel(), dtype=g.dtype)
+    bad = native.ffi().new("int64_t *", -1)
+    st = _fn(f"mask_weight_grad_{dt}_{isuf}")(_p(wmask, "uint64_t *"), _p(rowptr, "int64_t *"), g.shape[0], _p(col, ict),
+                                              _p(x, ct), x.shape[0], _p(g, ct), g.shape[1], _p(out, ct),
+                                              _nthreads(), bad)
+    _raise_mask("mask_weight_grad", st, g.shape[1])
+    if st:
+        _raise_index("mask_weight_grad", st, bad[0], "col", col, x.shape[0], rowptr)
     return out
 
 

@@ -15,6 +15,8 @@ op                          computes                                            
 ``cpu_opt::arg_scatter``    max/min backward scatter from the saved winner index          no
 ``cpu_opt::arg_gather``     max/min spmm backward for x, gathered over the CSC           no
 ``cpu_opt::arg_weight_grad`` max/min backward for edge weights                            no
+``cpu_opt::mask_gather``    max/min spmm backward for x from the winner bit mask          no
+``cpu_opt::mask_weight_grad`` max/min spmm backward for edge weights from the bit mask    no
 ``cpu_opt::index_add``      sum of rows by a 1-D index (gather's backward)                no
 ==========================  ===========================================================  ========
 
@@ -94,6 +96,27 @@ def _(arg, grad, x, rowptr, col):
     return grad.new_empty(col.shape[0])
 
 
+@torch.library.custom_op("cpu_opt::mask_gather", mutates_args=())
+def mask_gather_op(colptr: Tensor, row_t: Tensor, perm: Tensor, wmask: Tensor, grad: Tensor,
+                   weight: Optional[Tensor], n_out: int) -> Tensor:
+    return K.mask_gather(colptr, row_t, perm, wmask, grad, weight, n_out)
+
+
+@mask_gather_op.register_fake
+def _(colptr, row_t, perm, wmask, grad, weight, n_out):
+    return grad.new_empty(n_out, grad.shape[1])
+
+
+@torch.library.custom_op("cpu_opt::mask_weight_grad", mutates_args=())
+def mask_weight_grad_op(wmask: Tensor, grad: Tensor, x: Tensor, rowptr: Tensor, col: Tensor) -> Tensor:
+    return K.mask_weight_grad(wmask, grad, x, rowptr, col)
+
+
+@mask_weight_grad_op.register_fake
+def _(wmask, grad, x, rowptr, col):
+    return grad.new_empty(col.shape[0])
+
+
 @torch.library.custom_op("cpu_opt::index_add", mutates_args=())
 def index_add_op(src: Tensor, index: Tensor, dim_size: int) -> Tensor:
     """``out = zeros(dim_size, ...); out[index[i]] += src[i]``, by sorted segments (no atomics)."""
@@ -134,15 +157,21 @@ def _(src, index, out):
 @torch.library.custom_op("cpu_opt::spmm", mutates_args=())
 def spmm_op(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], colptr: Tensor, row_t: Tensor,
             perm_t: Tensor, x: Tensor, reduce: str) -> tuple[Tensor, Tensor]:
-    """CSR x dense. (colptr, row_t, perm_t) is the cached CSC transpose, used by backward."""
-    return K.segment_reduce(rowptr, col, weight, x, reduce)
+    """CSR x dense. (colptr, row_t, perm_t) is the cached CSC transpose, used by backward.
+    Returns (out, winners): for amax/amin the winner index (int32, n x F) or, where it is smaller
+    (:func:`_kernels.use_winner_mask`), the winner bit mask (int64, nnz x ceil(F / 64))."""
+    n = rowptr.shape[0] - 1
+    return K.segment_reduce(rowptr, col, weight, x, reduce, mask=K.use_winner_mask(col.shape[0], n, x.shape[1]))
 
 
 @spmm_op.register_fake
 def _(rowptr, col, weight, colptr, row_t, perm_t, x, reduce):
     n = rowptr.shape[0] - 1
-    arg_shape = (n, x.shape[1]) if reduce in _ARG_REDUCES else (0,)
-    return x.new_empty(n, x.shape[1]), x.new_empty(arg_shape, dtype=torch.int32)
+    if reduce not in _ARG_REDUCES:
+        return x.new_empty(n, x.shape[1]), x.new_empty(0, dtype=torch.int32)
+    if K.use_winner_mask(col.shape[0], n, x.shape[1]):
+        return x.new_empty(n, x.shape[1]), x.new_empty(col.shape[0], K.mask_words(x.shape[1]), dtype=torch.int64)
+    return x.new_empty(n, x.shape[1]), x.new_empty(n, x.shape[1], dtype=torch.int32)
 
 
 @torch.library.custom_op("cpu_opt::scatter_reduce", mutates_args=())

@@ -101,6 +101,20 @@ static int64_t KFN(first_bad_winner)(const int32_t *arg, const int64_t *rowptr, 
     return bad == INT64_MAX ? -1 : bad;
 }
 
+/* A winner mask (nnz x W uint64, W = ceil(F / 64); bit j % 64 of word j / 64: the nonzero won
+ * feature j) is valid when no bit at or past F is set: returns the first bad word or -1. */
+static int64_t KFN(first_bad_mask)(const uint64_t *wmask, int64_t nnz, int64_t F, int nthreads)
+{
+    const int64_t W = (F + 63) / 64;
+    if (F % 64 == 0) return -1;
+    const uint64_t extra = ~0ull << (F % 64); /* bits past F in the last word */
+    int64_t bad = INT64_MAX;
+#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(min:bad) if (nnz > 65536)
+    for (int64_t e = 0; e < nnz; ++e)
+        if ((wmask[e * W + W - 1] & extra) && e * W + W - 1 < bad) bad = e * W + W - 1;
+    return bad == INT64_MAX ? -1 : bad;
+}
+
 #define CO_CHECK_RANGE(IDX_T)                                                                \
     static int64_t KFN(first_out_of_range_##IDX_T)(const IDX_T *idx, int64_t n, int64_t lo, \
                                                    int64_t hi, int nthreads)               \

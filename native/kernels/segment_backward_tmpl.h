@@ -132,6 +132,25 @@ int64_t KFN(CO_N3(arg_weight_grad, CO_DT, CO_ISUF))(
     return CO_OK;
 }
 
+/* The argument checks arg_gather and mask_gather share, before either writes: colptr starts at 0,
+ * never decreases and ends at nnz; row_t in [0, n_rows); perm in [0, nnz) when check_perm
+ * (*bad_pos: the position in colptr or row_t, or -2 - the position in perm). */
+static int64_t KFN(CO_N3(check_csc, CO_DT, CO_ISUF))(const int64_t *colptr, int64_t n_out, const CO_IT *row_t,
+                                                    const int64_t *perm, int64_t nnz, int64_t n_rows,
+                                                    int check_perm, int nthreads, int64_t *bad_pos)
+{
+    int64_t bp = KFN(check_rowptr)(colptr, n_out);
+    if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_UNSORTED; }
+    if (colptr[n_out] != nnz) return CO_ERR_BAD_ARGUMENT;
+    bp = KFN(CO_N2(first_out_of_range, CO_IT))(row_t, nnz, 0, n_rows, nthreads);
+    if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_INDEX_OUT_OF_RANGE; }
+    if (check_perm) {
+        bp = KFN(first_out_of_range_int64_t)(perm, nnz, 0, nnz, nthreads);
+        if (bp >= 0) { if (bad_pos) *bad_pos = -2 - bp; return CO_ERR_INDEX_OUT_OF_RANGE; }
+    }
+    return CO_OK;
+}
+
 /* The backward of max/min spmm with respect to x, by gathering over the CSC transpose
  * (colptr, row_t, perm) that the graph caches:
  *   out[i, j] = sum over k in [colptr[i], colptr[i+1]) with arg[row_t[k], j] == perm[k]
@@ -150,15 +169,9 @@ int64_t KFN(CO_N3(arg_gather, CO_DT, CO_ISUF))(
     if ((n_rows * F > 0 && (!arg || !g)) || (n_out * F > 0 && !out) || (nnz > 0 && (!row_t || !perm))
         || !rowptr)
         return CO_ERR_BAD_ARGUMENT;
-    int64_t bp = KFN(check_rowptr)(colptr, n_out);
-    if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_UNSORTED; }
-    if (colptr[n_out] != nnz) return CO_ERR_BAD_ARGUMENT;
-    bp = KFN(CO_N2(first_out_of_range, CO_IT))(row_t, nnz, 0, n_rows, nthreads);
-    if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_INDEX_OUT_OF_RANGE; }
-    if (weight) {
-        bp = KFN(first_out_of_range_int64_t)(perm, nnz, 0, nnz, nthreads);
-        if (bp >= 0) { if (bad_pos) *bad_pos = -2 - bp; return CO_ERR_INDEX_OUT_OF_RANGE; }
-    }
+    const int64_t st = KFN(CO_N3(check_csc, CO_DT, CO_ISUF))(colptr, n_out, row_t, perm, nnz, n_rows, weight != NULL,
+                                                              nthreads, bad_pos);
+    if (st != CO_OK) return st;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nnz * F > 32768)
     {
@@ -197,4 +210,107 @@ int64_t KFN(CO_N3(arg_gather, CO_DT, CO_ISUF))(
         free(acc);
     }
     return failed ? CO_ERR_BAD_ARGUMENT : CO_OK;
+}
+
+/* The backward of max/min spmm from the winner mask (wmask: nnz x W uint64, W = ceil(F / 64); bit
+ * j of nonzero e set iff e won feature j of its row), over the CSC transpose as arg_gather:
+ *   out[i, j] = sum over k in [colptr[i], colptr[i+1]) whose wmask[perm[k]] has bit j
+ *               of weight[perm[k]] * g[row_t[k], j]
+ * Only set bits are visited, so a nonzero that won nothing costs one 8-byte read and no row of g
+ * (most edges of a hub row win nothing); the mask is prefetched 2 * CO_PF_DIST edges ahead and the
+ * cache lines of g holding set bits CO_PF_DIST ahead. Indices (row_t, perm) and the mask's bits
+ * are checked before any write. */
+int64_t KFN(CO_N3(mask_gather, CO_DT, CO_ISUF))(
+    const int64_t *colptr, int64_t n_out, const CO_IT *row_t, const int64_t *perm, int64_t nnz,
+    const uint64_t *wmask, const CO_T *g, int64_t n_rows, int64_t F, const CO_T *weight,
+    CO_T *out, int nthreads, int64_t *bad_pos)
+{
+    if (n_out < 0 || nnz < 0 || n_rows < 0 || F < 0 || nthreads < 1 || !colptr) return CO_ERR_BAD_ARGUMENT;
+    if ((n_rows * F > 0 && !g) || (n_out * F > 0 && !out) || (nnz > 0 && (!row_t || !perm || !wmask)))
+        return CO_ERR_BAD_ARGUMENT;
+    const int64_t st = KFN(CO_N3(check_csc, CO_DT, CO_ISUF))(colptr, n_out, row_t, perm, nnz, n_rows, 1,
+                                                              nthreads, bad_pos);
+    if (st != CO_OK) return st;
+    if (KFN(first_bad_mask)(wmask, nnz, F, nthreads) >= 0) return CO_ERR_BAD_ARGUMENT;
+    const int64_t W = (F + 63) / 64;
+    const int64_t epl = 64 / (int64_t)sizeof(CO_T); /* elements per cache line: 8, 16 or 32 */
+    const uint64_t line_bits = (1ull << epl) - 1;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nnz * F > 32768)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t i0 = KFN(balanced_row_start)(colptr, n_out, t, nt);
+        const int64_t i1 = KFN(balanced_row_start)(colptr, n_out, t + 1, nt);
+        const int64_t k_stop = colptr[i1];
+        CO_ACC *acc = (CO_ACC *)malloc((size_t)(F + 1) * sizeof(CO_ACC));
+        if (!acc) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            for (int64_t i = i0; i < i1; ++i) {
+                for (int64_t j = 0; j < F; ++j) acc[j] = (CO_ACC)0;
+                for (int64_t k = colptr[i]; k < colptr[i + 1]; ++k) {
+                    if (k + 2 * CO_PF_DIST < k_stop) __builtin_prefetch(wmask + perm[k + 2 * CO_PF_DIST] * W);
+                    if (k + CO_PF_DIST < k_stop) { /* the lines of g that hold set bits */
+                        const uint64_t *mp = wmask + perm[k + CO_PF_DIST] * W;
+                        const CO_T *gp = g + (int64_t)row_t[k + CO_PF_DIST] * F;
+                        for (int64_t j0 = 0; j0 < F; j0 += epl)
+                            if ((mp[j0 >> 6] >> (j0 & 63)) & line_bits) __builtin_prefetch(gp + j0);
+                    }
+                    const int64_t e = perm[k];
+                    const uint64_t *restrict m = wmask + e * W;
+                    const CO_T *restrict gr = g + (int64_t)row_t[k] * F;
+                    const CO_ACC w = weight ? CO_LOAD(weight[e]) : (CO_ACC)1;
+                    for (int64_t q = 0; q < W; ++q) {
+                        for (uint64_t b = m[q]; b; b &= b - 1) {
+                            const int64_t j = q * 64 + __builtin_ctzll(b);
+                            acc[j] += w * CO_LOAD(gr[j]);
+                        }
+                    }
+                }
+                CO_T *restrict o = out + i * F;
+                for (int64_t j = 0; j < F; ++j) o[j] = CO_STORE(acc[j]);
+            }
+        }
+        free(acc);
+    }
+    return failed ? CO_ERR_BAD_ARGUMENT : CO_OK;
+}
+
+/* out_w[e] = sum over the bits j of wmask[e] of x[col[e], j] * g[r, j] (r: the row of e): the
+ * backward of max/min spmm with respect to the edge weights, from the winner mask. Parallel over
+ * rows; every nonzero is written once, and one that won nothing reads no row of x. */
+int64_t KFN(CO_N3(mask_weight_grad, CO_DT, CO_ISUF))(
+    const uint64_t *wmask, const int64_t *rowptr, int64_t n_rows, const CO_IT *col, const CO_T *x, int64_t n_x,
+    const CO_T *g, int64_t F, CO_T *out_w, int nthreads, int64_t *bad_pos)
+{
+    if (n_rows < 0 || F < 0 || n_x < 0 || nthreads < 1 || !rowptr) return CO_ERR_BAD_ARGUMENT;
+    int64_t bp = KFN(check_rowptr)(rowptr, n_rows);
+    if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_UNSORTED; }
+    const int64_t nnz = rowptr[n_rows];
+    if ((n_rows * F > 0 && !g) || (nnz > 0 && (!col || !out_w || !wmask))) return CO_ERR_BAD_ARGUMENT;
+    bp = KFN(CO_N2(first_out_of_range, CO_IT))(col, nnz, 0, n_x, nthreads);
+    if (bp >= 0) { if (bad_pos) *bad_pos = bp; return CO_ERR_INDEX_OUT_OF_RANGE; }
+    if (KFN(first_bad_mask)(wmask, nnz, F, nthreads) >= 0) return CO_ERR_BAD_ARGUMENT;
+    const int64_t W = (F + 63) / 64;
+#pragma omp parallel num_threads(nthreads) if (nnz * F > 32768)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t r0 = KFN(balanced_row_start)(rowptr, n_rows, t, nt);
+        const int64_t r1 = KFN(balanced_row_start)(rowptr, n_rows, t + 1, nt);
+        for (int64_t r = r0; r < r1; ++r) {
+            const CO_T *restrict gr = g + r * F;
+            for (int64_t e = rowptr[r]; e < rowptr[r + 1]; ++e) {
+                const CO_T *restrict xr = x + (int64_t)col[e] * F;
+                CO_ACC s = 0;
+                for (int64_t q = 0; q < W; ++q)
+                    for (uint64_t b = wmask[e * W + q]; b; b &= b - 1) {
+                        const int64_t j = q * 64 + __builtin_ctzll(b);
+                        s += CO_LOAD(xr[j]) * CO_LOAD(gr[j]);
+                    }
+                out_w[e] = CO_STORE(s);
+            }
+        }
+    }
+    return CO_OK;
 }

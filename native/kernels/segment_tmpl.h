@@ -4,7 +4,7 @@
 int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
     const int64_t *rowptr, int64_t n_rows, const CO_IT *col, const CO_T *weight,
     const CO_T *x, int64_t n_x, int64_t F, int reduce, const CO_T *self, int include_self,
-    CO_T *out, int32_t *arg, int nthreads, int64_t *bad_pos)
+    CO_T *out, int32_t *arg, uint64_t *wmask, int nthreads, int64_t *bad_pos)
 {
     if (n_rows < 0 || n_x < 0 || F < 0 || nthreads < 1 || reduce < CO_RED_SUM || reduce > CO_RED_PROD ||
         !rowptr || (!out && n_rows * F > 0) || (!x && n_x * F > 0))
@@ -18,6 +18,8 @@ int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
     if (b >= 0) { if (bad_pos) *bad_pos = b; return CO_ERR_INDEX_OUT_OF_RANGE; }
 
     const int is_arg = (reduce == CO_RED_MAX || reduce == CO_RED_MIN);
+    const int track = is_arg && (arg || wmask);
+    const int64_t W = (F + 63) / 64; /* words of the winner mask per nonzero */
     /* max/min keep the winner relative to the row start in int32: refuse longer rows */
     if (is_arg)
         for (int64_t r = 0; r < n_rows; ++r)
@@ -50,7 +52,7 @@ int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
                     if (sf) for (int64_t j = 0; j < F; ++j) o[j] = sf[j];
                     else for (int64_t j = 0; j < F; ++j) o[j] = CO_STORE((CO_ACC)0);
                     if (arg) for (int64_t j = 0; j < F; ++j) arg[r * F + j] = -1;
-                    continue;
+                    continue; /* no nonzeros: nothing of wmask belongs to this row */
                 }
                 /* initial value: self (or 0) when include_self, else the reduction's identity */
                 CO_ACC init;
@@ -85,7 +87,7 @@ int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
                         const CO_ACC w = weight ? CO_LOAD(weight[e]) : (CO_ACC)1;
                         for (int64_t j = 0; j < F; ++j) acc[j] *= w * CO_LOAD(xr[j]);
                     }
-                } else if (!arg) { /* max / min without the winner (no gradient wanted) */
+                } else if (!track) { /* max / min without the winner (no gradient wanted) */
                     const int is_max = reduce == CO_RED_MAX;
                     for (int64_t e = s; e < end; ++e) {
                         if (e + CO_PF_DIST < e_stop) CO_PREFETCH_ROW(e + CO_PF_DIST);
@@ -128,6 +130,12 @@ int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
                         }
                     }
                     if (arg) for (int64_t j = 0; j < F; ++j) arg[r * F + j] = ab[j];
+                    if (wmask) { /* bit j of nonzero s + ab[j]: written once, row by row */
+                        uint64_t *restrict m = wmask + s * W;
+                        for (int64_t k = 0; k < (end - s) * W; ++k) m[k] = 0;
+                        for (int64_t j = 0; j < F; ++j)
+                            if (ab[j] >= 0) m[(int64_t)ab[j] * W + (j >> 6)] |= 1ull << (j & 63);
+                    }
                 }
                 (void)is_arg;
                 for (int64_t j = 0; j < F; ++j) o[j] = CO_STORE(acc[j]);

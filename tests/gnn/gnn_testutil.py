@@ -67,3 +67,14 @@ def assert_bf16_close(out, ref):
     if a.norm() > 0 and b.norm() > 0:
         assert torch.nn.functional.cosine_similarity(a, b, dim=0) >= 0.999
 
+
+
+def csr_case(case: str, index_dtype=torch.int64):
+    """A GRAPH_CASES graph as a CSRGraph: (graph, n_rows, n_cols, dst, src, perm), where perm is
+    the stable sort of dst (CSR position i holds edge perm[i])."""
+    from cpu_opt import gnn
+    from cpu_opt.gnn import _kernels as K
+
+    n_rows, n_cols, dst, src = make_graph(case)
+    rowptr, perm = K.index_to_csr(dst, n_rows)
+    return gnn.CSRGraph(rowptr, src[perm].to(index_dtype), n_cols), n_rows, n_cols, dst, src, perm

@@ -9,13 +9,10 @@ import torch
 from cpu_opt import gnn, native
 from cpu_opt.gnn import _kernels as K
 
-from gnn_testutil import GRAPH_CASES, RUNNABLE_VARIANTS, make_graph, ref_spmm
+from gnn_testutil import GRAPH_CASES, RUNNABLE_VARIANTS, csr_case, make_graph, ref_spmm
 
 
-def _graph(case, index_dtype=torch.int64):
-    n_rows, n_cols, dst, src = make_graph(case)
-    rowptr, perm = K.index_to_csr(dst, n_rows)
-    return gnn.CSRGraph(rowptr, src[perm].to(index_dtype), n_cols), n_rows, n_cols, dst, src, perm
+_graph = csr_case
 
 
 @pytest.mark.parametrize("variant", RUNNABLE_VARIANTS)

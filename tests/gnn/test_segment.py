@@ -164,7 +164,7 @@ def test_avx512_variant_compiled():
     if native.compiled_variants() == ("base",):
         pytest.skip("not an x86-64 build: only the base variant exists")
     for name in ("segment_reduce_f32_i64", "segment_reduce_bf16_i32", "sddmm_f64_i64", "arg_scatter_bf16_i64",
-                 "arg_weight_grad_f32_i32", "index_to_csr_i64", "csr_transpose_i32", "gather_rows_bytes_i64"):
+                 "arg_weight_grad_f32_i32", "mask_gather_bf16_i64", "mask_weight_grad_f64_i32", "index_to_csr_i64", "csr_transpose_i32", "gather_rows_bytes_i64"):
         for v in ("base", "avx2", "avx512"):
             assert hasattr(native.lib(), f"{name}_{v}")
 
@@ -236,12 +236,12 @@ def test_kernel_checks_before_writing(variant):
     for col, want_status, want_pos in ((torch.tensor([0, 1, 2, 3, 4]), -1, 4),
                                        (torch.tensor([0, -1, 2, 3, 1]), -1, 1)):
         st = fn(p(rowptr, "int64_t *"), 3, p(col, "int64_t *"), ffi.NULL, p(x, "float *"), 4, 8, 2, ffi.NULL, 0,
-                p(out, "float *"), p(arg, "int32_t *"), 1, bad)
+                p(out, "float *"), p(arg, "int32_t *"), ffi.NULL, 1, bad)
         assert (st, bad[0]) == (want_status, want_pos)
         assert bool((out == 123.0).all()) and bool((arg == 77).all())
     bad_rowptr, col = torch.tensor([0, 3, 2, 5]), torch.tensor([0, 1, 2, 3, 0])  # kept alive across the call
     st = fn(p(bad_rowptr, "int64_t *"), 3, p(col, "int64_t *"), ffi.NULL,
-            p(x, "float *"), 4, 8, 0, ffi.NULL, 0, p(out, "float *"), ffi.NULL, 1, bad)
+            p(x, "float *"), 4, 8, 0, ffi.NULL, 0, p(out, "float *"), ffi.NULL, ffi.NULL, 1, bad)
     assert (st, bad[0]) == (-3, 2)
     assert bool((out == 123.0).all())
     with pytest.raises(ValueError, match="rowptr must start at 0 and never decrease"):
