@@ -12,7 +12,10 @@
 * a SAGEConv with sum/mean aggregation, or a GINConv whose ``nn`` starts with a Linear layer,
   that maps to fewer channels than it takes applies that linear map *before* aggregating
   (``lin(aggr(x)) == aggr(x W^T) + b`` for sum and mean; DGL's SAGEConv does the same), so the
-  sparse work runs on the narrower features. Results equal PyG's within float rounding.
+  sparse work runs on the narrower features. Results equal PyG's within float rounding;
+* the model's Linear layers (torch's and PyG's) run on torch's own oneDNN 3.12
+  (``mkldnn._linear_pointwise``, forward and input gradient) where the routing table sends fp32
+  linear layers there (AVX2 machines): :func:`linear`.
 
 PyG binds ``scatter``, ``spmm`` and ``gcn_norm`` by name into many modules, so patching
 ``torch_geometric.utils`` alone would change nothing: :func:`patched` swaps every bound name (in
@@ -183,13 +186,82 @@ def patched():
                 _saved.clear()
 
 
+# ----------------------------------------------------------------------------- linear layers
+
+class _OneDNNLinear(torch.autograd.Function):
+    """``F.linear`` on torch's own oneDNN (``mkldnn._linear_pointwise``): forward and the input
+    gradient (``g @ W``, a linear with ``W^T``); the weight gradient ``g^T x`` stays on ``mm``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        g = g.contiguous()
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.ops.mkldnn._linear_pointwise(g, weight.t().contiguous(), None, "none", [], "")
+        if ctx.needs_input_grad[1]:
+            gw = g.t().mm(x)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g.sum(0)
+        return gx, gw, gb
+
+
+def _onednn_linear_route() -> bool:
+    from .. import routing
+
+    return torch.backends.mkldnn.is_available() and routing.route("linear", "fp32").backend == "torch_onednn"
+
+
+def linear(x, weight, bias=None):
+    """``torch.nn.functional.linear``; on torch's oneDNN 3.12 where the routing table sends fp32
+    linear layers there (``routing.route("linear", "fp32")``, AVX2 machines), for 2-D float32
+    inputs of at least ``routing.LINEAR_TORCH_MIN_ROWS`` rows. Measured here (100k rows, K=64,
+    N=8..128, ``torch.addmm`` against ``mkldnn._linear_pointwise``, medians): 1.1-1.9x at 1 thread,
+    0.99-1.8x at 2; the input-gradient GEMMs (K=8..32, N=64) 1.3-1.8x."""
+    from .. import routing
+
+    if (_ONEDNN_LINEAR[0] and x.dim() == 2 and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.device.type == "cpu" and x.shape[0] >= routing.LINEAR_TORCH_MIN_ROWS
+            and not isinstance(weight, torch.nn.parameter.UninitializedParameter)
+            and (bias is None or bias.dtype == torch.float32) and not torch.compiler.is_compiling()):
+        _counts["linear: torch's oneDNN"] += 1
+        return _OneDNNLinear.apply(x.contiguous(), weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+_ONEDNN_LINEAR = [None]  # decided on first use (the routing table needs hw.detect())
+
+
+def _linear_forward(self, x):
+    """forward of torch.nn.Linear and PyG's Linear (both ``F.linear(x, weight, bias)``)."""
+    return linear(x, self.weight, self.bias)
+
+
+def linear_layers(model: torch.nn.Module) -> dict:
+    """``{module: forward}`` for the Linear layers of ``model`` (torch's and PyG's)."""
+    from torch_geometric.nn.dense.linear import Linear as PygLinear
+
+    if _ONEDNN_LINEAR[0] is None:
+        _ONEDNN_LINEAR[0] = _onednn_linear_route()
+    if not _ONEDNN_LINEAR[0]:
+        return {}
+    return {m: _linear_forward for m in model.modules()
+            if type(m) in (torch.nn.Linear, PygLinear) and "forward" not in m.__dict__}
+
+
 # ----------------------------------------------------------------------------- linear before aggregation
 
 def _sage_forward_linear_first(self, x, edge_index, size=None):
     """SAGEConv.forward (sum/mean, no ``project``) with lin_l applied before propagate."""
     if isinstance(x, torch.Tensor):
         x = (x, x)
-    h = torch.nn.functional.linear(x[0], self.lin_l.weight)
+    h = linear(x[0], self.lin_l.weight)
     out = self.propagate(edge_index, x=(h, x[1]), size=size)
     if self.lin_l.bias is not None:
         out = out + self.lin_l.bias
@@ -207,8 +279,8 @@ def _gin_forward_linear_first(self, x, edge_index, size=None):
     if isinstance(x, torch.Tensor):
         x = (x, x)
     first = self.nn[0]
-    h = torch.nn.functional.linear(x[0], first.weight)
-    h_r = None if x[1] is None else (h if x[1] is x[0] else torch.nn.functional.linear(x[1], first.weight))
+    h = linear(x[0], first.weight)
+    h_r = None if x[1] is None else (h if x[1] is x[0] else linear(x[1], first.weight))
     out = self.propagate(edge_index, x=(h, h_r), size=size)
     if h_r is not None:
         out = out + (1 + self.eps) * h_r
@@ -242,9 +314,9 @@ def linear_first_layers(model: torch.nn.Module) -> dict:
 
 
 @contextlib.contextmanager
-def _linear_first(layers: dict):
-    """Give each layer its linear-first forward for the duration of one call (instance attribute,
-    removed afterwards: the wrapped model itself is left as it was)."""
+def _forwards(layers: dict):
+    """Give each layer its own forward for the duration of one call (instance attribute, removed
+    afterwards: the wrapped model itself is left as it was)."""
     import types
 
     for m, fn in layers.items():
@@ -263,7 +335,8 @@ class OptimizedGNN(torch.nn.Module):
     Shares the parameters of the wrapped model (``.model``)."""
 
     def __init__(self, model: torch.nn.Module, *, edge_arg: str | None = None,
-                 index_dtype: torch.dtype = torch.int64, cache_size: int = 4, linear_first: bool = True):
+                 index_dtype: torch.dtype = torch.int64, cache_size: int = 4, linear_first: bool = True,
+                 onednn_linear: bool = True):
         super().__init__()
         self.model = model
         params = list(inspect.signature(model.forward).parameters)
@@ -290,6 +363,10 @@ class OptimizedGNN(torch.nn.Module):
         for m in self._linear_first:
             w = m.lin_l.weight if hasattr(m, "lin_l") else m.nn[0].weight
             self._notes[f"{type(m).__name__}({w.shape[1]} -> {w.shape[0]}): linear before aggregation"] += 1
+        linears = linear_layers(model) if onednn_linear else {}
+        if linears:
+            self._notes["Linear layers on torch's oneDNN where float32 (routing: linear fp32 -> torch_onednn)"] = len(linears)
+        self._forwards = {**linears, **self._linear_first}
 
     def _adj_t(self, edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
         key = (edge_index.data_ptr(), edge_index.storage_offset(), tuple(edge_index.shape),
@@ -323,7 +400,7 @@ class OptimizedGNN(torch.nn.Module):
             self._notes["edge weights/attrs given: edge_index kept (scatter path)"] += 1
         elif not self._convertible:
             self._notes["a layer has flow='target_to_source': edge_index kept (scatter path)"] += 1
-        with patched(), _linear_first(self._linear_first):
+        with patched(), _forwards(self._forwards):
             return self.model(*bound.args, **bound.kwargs)
 
     def report(self) -> str:
@@ -337,18 +414,21 @@ class OptimizedGNN(torch.nn.Module):
 
 
 def optimize(model: torch.nn.Module, *, edge_arg: str | None = None, index_dtype: torch.dtype = torch.int64,
-             linear_first: bool = True, verbose: bool = False) -> OptimizedGNN:
+             linear_first: bool = True, onednn_linear: bool = True, verbose: bool = False) -> OptimizedGNN:
     """Wrap a PyG model so its message passing runs on cpu_opt kernels. The model's forward must
     take node features first and ``edge_index`` (or ``edge_arg``) as a (2, E) integer tensor.
     ``index_dtype=torch.int32`` halves the column index traffic. ``linear_first``: narrowing
     SAGEConv (sum/mean) and GINConv layers apply their linear map before aggregating (see the
-    module docstring); ``False`` keeps PyG's order exactly."""
+    module docstring); ``False`` keeps PyG's order exactly. ``onednn_linear``: the model's Linear
+    layers run on torch's oneDNN where the routing table says so (:func:`linear`); ``False`` keeps
+    ``F.linear``."""
     from torch_geometric.nn import MessagePassing
 
     convs = [type(m).__name__ for m in model.modules() if isinstance(m, MessagePassing)]
     if not convs:
         raise ValueError(f"{type(model).__name__} contains no torch_geometric MessagePassing layer")
-    opt = OptimizedGNN(model, edge_arg=edge_arg, index_dtype=index_dtype, linear_first=linear_first)
+    opt = OptimizedGNN(model, edge_arg=edge_arg, index_dtype=index_dtype, linear_first=linear_first,
+                       onednn_linear=onednn_linear)
     if verbose:
         fused = [c for c in convs if c in ("GCNConv", "SAGEConv", "GINConv", "GraphConv")]
         print(f"cpu_opt.gnn.optimize: {len(convs)} message-passing layers ({', '.join(sorted(set(convs)))}); "

@@ -217,3 +217,55 @@ def test_linear_first_only_where_it_narrows_and_can_be_turned_off():
     on = gnn.optimize(copy.deepcopy(m))
     torch.testing.assert_close(on(x, ei), off(x, ei), rtol=1e-4, atol=1e-5)
     assert "linear before aggregation" not in off.report() and "linear before aggregation" in on.report()
+
+
+def test_onednn_linear_matches_f_linear_in_values_and_gradients():
+    from cpu_opt import routing
+
+    torch.manual_seed(3)
+    x = torch.randn(257, 24, requires_grad=True)
+    w = torch.randn(40, 24, requires_grad=True)
+    b = torch.randn(40, requires_grad=True)
+    g = torch.randn(257, 40)
+    for bias in (b, None):
+        for grad_x in (True, False):
+            xi = x.detach().clone().requires_grad_(grad_x)
+            xr = x.detach().clone().requires_grad_(grad_x)
+            wr, br = w.detach().clone().requires_grad_(), None if bias is None else b.detach().clone().requires_grad_()
+            w.grad = b.grad = None
+            before = gpyg._counts["linear: torch's oneDNN"]
+            out = gpyg.linear(xi, w, bias)
+            ref = torch.nn.functional.linear(xr, wr, br)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            out.backward(g)
+            ref.backward(g)
+            torch.testing.assert_close(w.grad, wr.grad, rtol=1e-4, atol=1e-4)
+            if bias is not None:
+                torch.testing.assert_close(b.grad, br.grad, rtol=1e-4, atol=1e-4)
+            if grad_x:
+                torch.testing.assert_close(xi.grad, xr.grad, rtol=1e-4, atol=1e-4)
+            routed = routing.route("linear", "fp32").backend == "torch_onednn"
+            assert gpyg._counts["linear: torch's oneDNN"] - before == int(routed)
+    # float64, 1-D and GEMV-sized inputs keep F.linear (counted nowhere), with the same values
+    before = gpyg._counts["linear: torch's oneDNN"]
+    for xi, wi in ((x.detach().double(), w.detach().double()), (x.detach()[0], w.detach()), (x.detach()[:2], w.detach())):
+        torch.testing.assert_close(gpyg.linear(xi, wi), torch.nn.functional.linear(xi, wi))
+    assert gpyg._counts["linear: torch's oneDNN"] == before
+
+
+def test_onednn_linear_layers_swapped_only_while_running_and_can_be_turned_off():
+    from cpu_opt import routing
+
+    torch.manual_seed(0)
+    x, ei, y = _task()
+    m = Net("gin", x.shape[1], 16, 4)
+    lin = m.c1.nn[0]
+    on = gnn.optimize(m)
+    off = gnn.optimize(copy.deepcopy(m), onednn_linear=False)
+    assert (lin in gpyg.linear_layers(m)) == (routing.route("linear", "fp32").backend == "torch_onednn")
+    before = gpyg._counts["linear: torch's oneDNN"]
+    torch.testing.assert_close(on(x, ei), off(x, ei), rtol=1e-4, atol=1e-5)
+    assert "forward" not in lin.__dict__  # the Linear's own forward is back after the call
+    if routing.route("linear", "fp32").backend == "torch_onednn":
+        assert gpyg._counts["linear: torch's oneDNN"] > before
+        assert "Linear layers on torch's oneDNN" in on.report() and "Linear layers" not in off.report()
