@@ -16,14 +16,15 @@ SCATTER_REDUCES = ["sum", "mean", "amax", "amin", "prod"]
 @pytest.mark.parametrize("variant", RUNNABLE_VARIANTS)
 @pytest.mark.parametrize("case", GRAPH_CASES)
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
-def test_spmm_matches_torch(case, variant, index_dtype):
+@pytest.mark.parametrize("F", [7, 16])  # 16 float32: 32-byte rows, written with streaming stores on AVX2
+def test_spmm_matches_torch(case, variant, index_dtype, F):
     n_rows, n_cols, dst, src = make_graph(case)
     g = gnn.CSRGraph.from_edge_index(torch.stack([src, dst]), n_rows if n_rows == n_cols else None,
                                      index_dtype=index_dtype) if n_rows == n_cols else None
     if g is None:  # bipartite: build the CSR directly
         rowptr, perm = K.index_to_csr(dst, n_rows)
         g = gnn.CSRGraph(rowptr, src[perm].to(index_dtype), n_cols)
-    x = torch.randn(n_cols, 7)
+    x = torch.randn(n_cols, F)
     w = torch.rand(dst.numel()) + 0.5
     # weights in CSR order for the kernel, in edge order for the reference
     _, perm = K.index_to_csr(dst, n_rows)
