@@ -160,6 +160,11 @@ def spmm_op(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], colptr: Tenso
     """CSR x dense. (colptr, row_t, perm_t) is the cached CSC transpose, used by backward.
     Returns (out, winners): for amax/amin the winner index (int32, n x F) or, where it is smaller
     (:func:`_kernels.use_winner_mask`), the winner bit mask (int64, nnz x ceil(F / 64))."""
+    return spmm_forward(rowptr, col, weight, x, reduce)
+
+
+def spmm_forward(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], x: Tensor, reduce: str):
+    """The forward of ``cpu_opt::spmm`` (the op, and its eager fast path in _autograd.py)."""
     n = rowptr.shape[0] - 1
     return K.segment_reduce(rowptr, col, weight, x, reduce, mask=K.use_winner_mask(col.shape[0], n, x.shape[1]))
 
@@ -239,7 +244,12 @@ def spmm(adj, x: Tensor, reduce: str = "sum", weight: Optional[Tensor] = None) -
         out, _ = K.segment_reduce(g.rowptr, g.col, w, x, reduce, want_arg=False)
         return out
     colptr, row_t, perm_t = g.csc()
-    out, _ = torch.ops.cpu_opt.spmm(g.rowptr, g.col, w, colptr, row_t, perm_t, x, reduce)
+    if torch.compiler.is_compiling():
+        out, _ = torch.ops.cpu_opt.spmm(g.rowptr, g.col, w, colptr, row_t, perm_t, x, reduce)
+    else:  # the same forward and backward without the custom-op dispatcher (see _autograd.SpmmFunction)
+        from ._autograd import SpmmFunction
+
+        out, _ = SpmmFunction.apply(g.rowptr, g.col, w, colptr, row_t, perm_t, x, reduce)
     return out
 
 

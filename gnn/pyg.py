@@ -160,6 +160,16 @@ def _sites(originals):
     return out
 
 
+def _replacements(originals):
+    """The cpu_opt version of each original, made once per set of originals."""
+    key = tuple(id(f) for f in originals.values())
+    hit = _sites_cache.get("replacements")
+    if hit is None or hit[0] != key:
+        hit = (key, {n: _MAKERS[n](f) for n, f in originals.items()})
+        _sites_cache["replacements"] = hit
+    return hit[1]
+
+
 @contextlib.contextmanager
 def patched():
     """Within this block, PyG's ``scatter``, ``spmm`` and ``gcn_norm`` (every bound copy) run on
@@ -169,7 +179,7 @@ def patched():
     with _lock:
         if _depth == 0:
             originals = _originals()
-            repl = {n: _MAKERS[n](f) for n, f in originals.items()}
+            repl = _replacements(originals)
             _saved.clear()
             for mod, name in _sites(originals):
                 _saved.append((mod, name, mod.__dict__[name]))
@@ -218,16 +228,21 @@ def _onednn_linear_route() -> bool:
     return torch.backends.mkldnn.is_available() and routing.route("linear", "fp32").backend == "torch_onednn"
 
 
+# Node-feature GEMMs below this many rows stay on F.linear: each mkldnn._linear_pointwise call
+# costs 30-70 us more than addmm (no prepacked weights), which only large GEMMs earn back.
+# Measured here (medians, F.linear time / oneDNN time, K x N in 64x64, 34x16, 16x4): 1 thread
+# 4096 rows 0.83-1.12, 16384 rows 1.09-1.74; 2 threads 4096 rows 0.78-1.05, 16384 rows 0.92-1.42.
+ONEDNN_LINEAR_MIN_ROWS = 16384
+
+
 def linear(x, weight, bias=None):
     """``torch.nn.functional.linear``; on torch's oneDNN 3.12 where the routing table sends fp32
     linear layers there (``routing.route("linear", "fp32")``, AVX2 machines), for 2-D float32
-    inputs of at least ``routing.LINEAR_TORCH_MIN_ROWS`` rows. Measured here (100k rows, K=64,
+    inputs of at least ``ONEDNN_LINEAR_MIN_ROWS`` rows. Measured here (100k rows, K=64,
     N=8..128, ``torch.addmm`` against ``mkldnn._linear_pointwise``, medians): 1.1-1.9x at 1 thread,
     0.99-1.8x at 2; the input-gradient GEMMs (K=8..32, N=64) 1.3-1.8x."""
-    from .. import routing
-
     if (_ONEDNN_LINEAR[0] and x.dim() == 2 and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.device.type == "cpu" and x.shape[0] >= routing.LINEAR_TORCH_MIN_ROWS
+            and x.device.type == "cpu" and x.shape[0] >= ONEDNN_LINEAR_MIN_ROWS
             and not isinstance(weight, torch.nn.parameter.UninitializedParameter)
             and (bias is None or bias.dtype == torch.float32) and not torch.compiler.is_compiling()):
         _counts["linear: torch's oneDNN"] += 1

@@ -223,10 +223,11 @@ def test_onednn_linear_matches_f_linear_in_values_and_gradients():
     from cpu_opt import routing
 
     torch.manual_seed(3)
-    x = torch.randn(257, 24, requires_grad=True)
+    rows = gpyg.ONEDNN_LINEAR_MIN_ROWS + 3
+    x = torch.randn(rows, 24, requires_grad=True)
     w = torch.randn(40, 24, requires_grad=True)
     b = torch.randn(40, requires_grad=True)
-    g = torch.randn(257, 40)
+    g = torch.randn(rows, 40)
     for bias in (b, None):
         for grad_x in (True, False):
             xi = x.detach().clone().requires_grad_(grad_x)
@@ -246,9 +247,10 @@ def test_onednn_linear_matches_f_linear_in_values_and_gradients():
                 torch.testing.assert_close(xi.grad, xr.grad, rtol=1e-4, atol=1e-4)
             routed = routing.route("linear", "fp32").backend == "torch_onednn"
             assert gpyg._counts["linear: torch's oneDNN"] - before == int(routed)
-    # float64, 1-D and GEMV-sized inputs keep F.linear (counted nowhere), with the same values
+    # float64, 1-D and small inputs keep F.linear (counted nowhere), with the same values
     before = gpyg._counts["linear: torch's oneDNN"]
-    for xi, wi in ((x.detach().double(), w.detach().double()), (x.detach()[0], w.detach()), (x.detach()[:2], w.detach())):
+    small = x.detach()[:gpyg.ONEDNN_LINEAR_MIN_ROWS - 1]
+    for xi, wi in ((x.detach().double(), w.detach().double()), (x.detach()[0], w.detach()), (small, w.detach())):
         torch.testing.assert_close(gpyg.linear(xi, wi), torch.nn.functional.linear(xi, wi))
     assert gpyg._counts["linear: torch's oneDNN"] == before
 
@@ -257,7 +259,7 @@ def test_onednn_linear_layers_swapped_only_while_running_and_can_be_turned_off()
     from cpu_opt import routing
 
     torch.manual_seed(0)
-    x, ei, y = _task()
+    x, ei, y = _task(n=gpyg.ONEDNN_LINEAR_MIN_ROWS, e=4 * gpyg.ONEDNN_LINEAR_MIN_ROWS)
     m = Net("gin", x.shape[1], 16, 4)
     lin = m.c1.nn[0]
     on = gnn.optimize(m)
