@@ -85,7 +85,9 @@ class SpmmFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_arg):
-        return _spmm_backward(ctx, grad_out, grad_arg, kernels=K)
+        # create_graph=True (grad mode on here): the ops, so that differentiating this backward
+        # raises torch's "no autograd formula" error instead of finding no graph at all
+        return _spmm_backward(ctx, grad_out, grad_arg, kernels=None if torch.is_grad_enabled() else K)
 
 
 # ---------------------------------------------------------------------------- scatter_reduce

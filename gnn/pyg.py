@@ -214,7 +214,10 @@ class _OneDNNLinear(torch.autograd.Function):
         g = g.contiguous()
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = torch.ops.mkldnn._linear_pointwise(g, weight.t().contiguous(), None, "none", [], "")
+            if torch.is_grad_enabled():  # create_graph=True: differentiable ops (oneDNN's has no derivative)
+                gx = g.mm(weight)
+            else:
+                gx = torch.ops.mkldnn._linear_pointwise(g, weight.t().contiguous(), None, "none", [], "")
         if ctx.needs_input_grad[1]:
             gw = g.t().mm(x)
         if ctx.has_bias and ctx.needs_input_grad[2]:

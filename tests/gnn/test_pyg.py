@@ -271,3 +271,15 @@ def test_onednn_linear_layers_swapped_only_while_running_and_can_be_turned_off()
     if routing.route("linear", "fp32").backend == "torch_onednn":
         assert gpyg._counts["linear: torch's oneDNN"] > before
         assert "Linear layers on torch's oneDNN" in on.report() and "Linear layers" not in off.report()
+
+
+def test_onednn_linear_double_backward_matches_f_linear():
+    torch.manual_seed(4)
+    x = torch.randn(gpyg.ONEDNN_LINEAR_MIN_ROWS, 6, dtype=torch.float32, requires_grad=True)
+    w = torch.randn(5, 6, requires_grad=True)
+    got, want = [], []
+    for fn, acc in ((gpyg.linear, got), (torch.nn.functional.linear, want)):
+        y = fn(x, w)
+        (gx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+        acc.append(torch.autograd.grad(gx.pow(2).sum(), w)[0])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-3)

@@ -197,3 +197,12 @@ def test_spmm_eager_fast_path_and_compiled_op_agree(reduce):
     torch.testing.assert_close(out, eager)
     for a, b in zip(gc, ge):
         torch.testing.assert_close(a, b)
+
+
+def test_spmm_double_backward_raises_instead_of_returning_zero():
+    g, dst, src, perm = _graph("random")
+    x = torch.randn(g.n_cols, 4, dtype=torch.float64, requires_grad=True)
+    out = gnn.spmm(g, x, "sum")
+    (gx,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula was registered"):
+        torch.autograd.grad(gx.sum(), x)
