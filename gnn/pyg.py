@@ -27,6 +27,7 @@ original function, and ``report()`` counts what went where.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import sys
 import threading
@@ -244,7 +245,7 @@ def linear(x, weight, bias=None):
     inputs of at least ``ONEDNN_LINEAR_MIN_ROWS`` rows. Measured here (100k rows, K=64,
     N=8..128, ``torch.addmm`` against ``mkldnn._linear_pointwise``, medians): 1.1-1.9x at 1 thread,
     0.99-1.8x at 2; the input-gradient GEMMs (K=8..32, N=64) 1.3-1.8x."""
-    if (_ONEDNN_LINEAR[0] and x.dim() == 2 and x.dtype == torch.float32 and weight.dtype == torch.float32
+    if (_ONEDNN_LINEAR[0] and _linear_on.get() and x.dim() == 2 and x.dtype == torch.float32 and weight.dtype == torch.float32
             and x.device.type == "cpu" and x.shape[0] >= ONEDNN_LINEAR_MIN_ROWS
             and not isinstance(weight, torch.nn.parameter.UninitializedParameter)
             and (bias is None or bias.dtype == torch.float32) and not torch.compiler.is_compiling()):
@@ -254,6 +255,8 @@ def linear(x, weight, bias=None):
 
 
 _ONEDNN_LINEAR = [None]  # decided on first use (the routing table needs hw.detect())
+# the running OptimizedGNN's onednn_linear option (also for the linear-first forwards' own linears)
+_linear_on: contextvars.ContextVar = contextvars.ContextVar("cpu_opt_gnn_onednn_linear", default=True)
 
 
 def _linear_forward(self, x):
@@ -385,6 +388,7 @@ class OptimizedGNN(torch.nn.Module):
         if linears:
             self._notes["Linear layers on torch's oneDNN where float32 (routing: linear fp32 -> torch_onednn)"] = len(linears)
         self._forwards = {**linears, **self._linear_first}
+        self._onednn_linear = onednn_linear
 
     def _adj_t(self, edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
         key = (edge_index.data_ptr(), edge_index.storage_offset(), tuple(edge_index.shape),
@@ -418,8 +422,12 @@ class OptimizedGNN(torch.nn.Module):
             self._notes["edge weights/attrs given: edge_index kept (scatter path)"] += 1
         elif not self._convertible:
             self._notes["a layer has flow='target_to_source': edge_index kept (scatter path)"] += 1
-        with patched(), _forwards(self._forwards):
-            return self.model(*bound.args, **bound.kwargs)
+        token = _linear_on.set(self._onednn_linear)
+        try:
+            with patched(), _forwards(self._forwards):
+                return self.model(*bound.args, **bound.kwargs)
+        finally:
+            _linear_on.reset(token)
 
     def report(self) -> str:
         """What ran where since creation (counts)."""

@@ -271,6 +271,11 @@ def test_onednn_linear_layers_swapped_only_while_running_and_can_be_turned_off()
     if routing.route("linear", "fp32").backend == "torch_onednn":
         assert gpyg._counts["linear: torch's oneDNN"] > before
         assert "Linear layers on torch's oneDNN" in on.report() and "Linear layers" not in off.report()
+    # off means off, also for the linear a linear-first layer applies itself (GIN's c2 narrows 16 -> 4)
+    assert m.c2 in gpyg.linear_first_layers(m)
+    before = gpyg._counts["linear: torch's oneDNN"]
+    off(x, ei)
+    assert gpyg._counts["linear: torch's oneDNN"] == before
 
 
 def test_onednn_linear_double_backward_matches_f_linear():
