@@ -196,8 +196,9 @@ class Report:
 
 
 def bar_chart(path: Path, labels: list[str], series: dict[str, list[float]], *, ylabel: str,
-              title: str, log: bool = False) -> Path | None:
-    """A grouped bar chart (PNG). Returns None (with a note) when matplotlib is missing."""
+              title: str, log: bool = False, lines: dict[str, float] | None = None) -> Path | None:
+    """A grouped bar chart (PNG); ``lines``: labelled horizontal reference lines (targets).
+    Returns None (with a note) when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -213,11 +214,18 @@ def bar_chart(path: Path, labels: list[str], series: dict[str, list[float]], *, 
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels) * max(1, len(series)) / 2), 4.5))
     for i, (name, vals) in enumerate(series.items()):
         ax.bar(x + (i - (len(series) - 1) / 2) * w, vals, w, label=name)
+    for (name, y), style in zip((lines or {}).items(), ("--", ":", "-.")):
+        ax.axhline(y, color="0.3", linestyle=style, linewidth=1, label=name)
     ax.set_xticks(x, labels, rotation=20, ha="right")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     if log:
+        from matplotlib.ticker import FuncFormatter
+
         ax.set_yscale("log")
+        plain = FuncFormatter(lambda v, _: f"{v:g}")  # 2, 3, 4 rather than 2x10^0
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
