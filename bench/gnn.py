@@ -1,4 +1,4 @@
-"""python -m bench gnn [--quick] [--threads 1,2] [--skip-training] [--pyg-extensions]
+"""python -m bench gnn [--quick] [--threads 1,2] [--skip-training] [--pyg-extensions] [--gather-ceiling]
 
 cpu_opt.gnn kernels and PyG training epochs against the honest stock-torch baselines, measured
 interleaved in one process (bench.runner.measure), at 1 and 2 threads:
@@ -13,7 +13,8 @@ interleaved in one process (bench.runner.measure), at 1 and 2 threads:
   hidden behind ``bernoulli_``) of GraphSAGE-mean, GraphSAGE-max, GCN and GIN: cpu_opt
   (``gnn.optimize``) against PyG's default ``edge_index`` path and PyG with a torch CSR ``adj_t``.
 
-``--pyg-extensions`` instead compares scatter with ``torch_scatter.scatter`` and spmm with
+``--gather-ceiling`` measures only how fast the spmm kernel reads x rows in random order against
+in order (the ceiling the uniform graph works under). ``--pyg-extensions`` instead compares scatter with ``torch_scatter.scatter`` and spmm with
 ``torch_sparse.matmul`` (PyG's former C++ extensions), those of them installed: there are no
 wheels for torch 2.13, they build from source (``pip install --no-build-isolation torch-scatter
 torch-sparse``, 7-15 min of both cores each), so they are not dependencies of cpu_opt.
@@ -205,6 +206,29 @@ def bench_torch_sparse(rep: Report, n, e, f, threads, repeats, max_seconds, grap
                             speedup=st[b].median / st[a].median, baseline="torch_sparse.matmul")
 
 
+def bench_gather_order(rep: Report, n, e, f, threads, repeats, max_seconds):
+    """How fast the spmm kernel itself reads e rows of x (n x f) in random order with almost no
+    output (1000 rows of 1000 nonzeros each), against the same e rows read in order, and the copy
+    bandwidth of the same moment: the ceiling the uniform graph's spmm works under."""
+    from cpu_opt import gnn
+
+    x = torch.randn(n, f)
+    cols = torch.randint(0, n, (e,), generator=torch.Generator().manual_seed(1))
+    per_row = 1000
+    random_order = gnn.CSRGraph(torch.arange(0, e + 1, per_row), cols, n)
+    in_order = gnn.CSRGraph(torch.arange(0, e + 1, per_row), torch.arange(e) % n, n)
+    gathered = e * f * x.element_size()
+    for th in threads:
+        torch.set_num_threads(th)
+        bw = memory_bandwidth_gbs(repeats=5)
+        st = measure({"random": lambda: gnn.spmm(random_order, x), "in order": lambda: gnn.spmm(in_order, x)},
+                     repeats=repeats, max_seconds=max_seconds)
+        for name in ("random", "in order"):
+            gbs = gathered / st[name].median / 1e9
+            rep.add(kind="machine", graph="-", threads=th, op=f"spmm reading x rows {name}", gbs=round(gbs, 1),
+                    pct_bw=100 * gbs / bw, copy_gbs=round(bw, 1), ms=st[name].median * 1e3)
+
+
 def _models(f_in, hidden, classes):
     from torch_geometric.nn import GCNConv, GINConv, SAGEConv
 
@@ -290,6 +314,8 @@ def main(quick: bool = False, argv=None):
     p.add_argument("--threads", default="1,2")
     p.add_argument("--skip-training", action="store_true")
     p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--gather-ceiling", action="store_true",
+                   help="only the random-order read ceiling of the spmm kernel (writes gnn_gather_ceiling.json)")
     p.add_argument("--pyg-extensions", action="store_true",
                    help="instead of the default set: compare with torch_scatter / torch_sparse, those of them "
                         "installed (writes gnn_pyg_extensions.json)")
@@ -316,10 +342,14 @@ def main(quick: bool = False, argv=None):
                  torch_sparse=tsp_note)
     if args.pyg_extensions:
         rep.name = "gnn_pyg_extensions"
+    if args.gather_ceiling:
+        rep.name = "gnn_gather_ceiling"
     t0 = time.time()
     graphs = _graphs(n, e)
     try:
-        if args.pyg_extensions:
+        if args.gather_ceiling:
+            bench_gather_order(rep, n, e, f, threads, max(repeats, 11), max_s)
+        elif args.pyg_extensions:
             if torch_scatter is None and torch_sparse is None:
                 raise SystemExit("--pyg-extensions: neither torch_scatter nor torch_sparse is installed")
             if torch_scatter is not None:
@@ -328,7 +358,8 @@ def main(quick: bool = False, argv=None):
                 bench_torch_sparse(rep, n, e, f, threads, repeats, max_s, graphs)
         elif not args.skip_kernels:
             bench_kernels(rep, n, e, f, threads, repeats, max_s, graphs)
-        if not args.skip_training and not args.pyg_extensions:
+            bench_gather_order(rep, n, e, f, threads, repeats, max_s)
+        if not args.skip_training and not args.pyg_extensions and not args.gather_ceiling:
             bench_training(rep, n, e, f, threads, max(3, repeats - 2), max_s, graphs)
     finally:
         torch.set_num_threads(old)
@@ -339,13 +370,13 @@ def main(quick: bool = False, argv=None):
                                              "gbs", "pct_bw", "baseline"])
     m = [r for r in rep.rows if r["kind"] == "machine"]
     if m:
-        Report.print_table(_subset(rep, m), ["graph", "threads", "op", "gbs"])
+        Report.print_table(_subset(rep, m), ["graph", "threads", "op", "gbs", "pct_bw", "copy_gbs"])
     t = [r for r in rep.rows if r["kind"] == "training"]
     if t:
         Report.print_table(_subset(rep, t), ["graph", "threads", "op", "cpu_opt_ms", "pyg_edge_index_ms",
                                              "pyg_csr_ms", "speedup_vs_edge_index", "speedup_vs_csr"])
     rep.save()
-    if not quick and not args.pyg_extensions:
+    if not quick and not args.pyg_extensions and not args.gather_ceiling:
         _charts(rep, max(threads))
     return rep
 
