@@ -43,6 +43,20 @@ def _torch_reduce(r):
     return {"sum": "sum", "mean": "mean", "amax": "amax", "amin": "amin"}[r]
 
 
+def _versus(rep: Report, fns: dict, *, baseline: str, repeats, max_seconds, fwd_bytes=None, bw=None, **row):
+    """Measure a baseline and cpu_opt, forward and forward+backward, interleaved (``fns``: the
+    callables "base", "cpu_opt", "base_fb", "cpu_opt_fb"), and add a kernel row per mode; the
+    forward row gets its effective bandwidth when ``fwd_bytes`` is given."""
+    st = measure(fns, warmup=1, repeats=repeats, max_seconds=max_seconds)
+    for mode, a, b in (("fwd", "cpu_opt", "base"), ("fwd+bwd", "cpu_opt_fb", "base_fb")):
+        r = dict(kind="kernel", **row, mode=mode, cpu_opt_ms=st[a].median * 1e3, torch_ms=st[b].median * 1e3,
+                 speedup=st[b].median / st[a].median, baseline=baseline)
+        if mode == "fwd" and fwd_bytes is not None:
+            r["gbs"] = fwd_bytes / st[a].median / 1e9
+            r["pct_bw"] = 100 * r["gbs"] / bw
+        rep.add(**r)
+
+
 def bench_kernels(rep: Report, n, e, f, threads, repeats, max_seconds, graphs):
     from cpu_opt import gnn
 
@@ -78,19 +92,12 @@ def bench_kernels(rep: Report, n, e, f, threads, repeats, max_seconds, graphs):
                     xg.grad = None
                     gnn.spmm(g, xg, r).backward(go)
 
-                st = measure({"torch": t_fwd, "cpu_opt": lambda r=r: gnn.spmm(g, x, r), "torch_fb": t_fb,
-                              "cpu_opt_fb": c_fb}, warmup=1, repeats=repeats, max_seconds=max_seconds)
                 nbytes = e * f * 4 + n * f * 4 + e * g.col.element_size() + (n + 1) * 8
                 if r in ("amax", "amin"):
                     nbytes += n * f * 4  # the saved winner index (int32)
-                for mode, a, b in (("fwd", "cpu_opt", "torch"), ("fwd+bwd", "cpu_opt_fb", "torch_fb")):
-                    row = dict(kind="kernel", graph=gname, threads=th, op=f"spmm_{r}", mode=mode,
-                               cpu_opt_ms=st[a].median * 1e3, torch_ms=st[b].median * 1e3,
-                               speedup=st[b].median / st[a].median, baseline="torch.sparse.mm(csr)")
-                    if mode == "fwd":
-                        row["gbs"] = nbytes / st[a].median / 1e9
-                        row["pct_bw"] = 100 * row["gbs"] / bw
-                    rep.add(**row)
+                _versus(rep, {"base": t_fwd, "cpu_opt": lambda r=r: gnn.spmm(g, x, r), "base_fb": t_fb,
+                              "cpu_opt_fb": c_fb}, baseline="torch.sparse.mm(csr)", repeats=repeats,
+                        max_seconds=max_seconds, fwd_bytes=nbytes, bw=bw, graph=gname, threads=th, op=f"spmm_{r}")
             for r in ("sum", "mean", "amax", "amin"):
                 def t_fwd(r=r):
                     return torch.zeros(n, f).scatter_reduce(0, dst_exp, msg, r, include_self=False)
@@ -103,13 +110,9 @@ def bench_kernels(rep: Report, n, e, f, threads, repeats, max_seconds, graphs):
                     msgg.grad = None
                     gnn.scatter(msgg, dst, 0, n, r).backward(go)
 
-                st = measure({"torch": t_fwd, "cpu_opt": lambda r=r: gnn.scatter(msg, dst, 0, n, r),
-                              "torch_fb": t_fb, "cpu_opt_fb": c_fb}, warmup=1, repeats=repeats,
-                             max_seconds=max_seconds)
-                for mode, a, b in (("fwd", "cpu_opt", "torch"), ("fwd+bwd", "cpu_opt_fb", "torch_fb")):
-                    rep.add(kind="kernel", graph=gname, threads=th, op=f"scatter_{r}", mode=mode,
-                            cpu_opt_ms=st[a].median * 1e3, torch_ms=st[b].median * 1e3,
-                            speedup=st[b].median / st[a].median, baseline="Tensor.scatter_reduce")
+                _versus(rep, {"base": t_fwd, "cpu_opt": lambda r=r: gnn.scatter(msg, dst, 0, n, r),
+                              "base_fb": t_fb, "cpu_opt_fb": c_fb}, baseline="Tensor.scatter_reduce",
+                        repeats=repeats, max_seconds=max_seconds, graph=gname, threads=th, op=f"scatter_{r}")
 
             def t_fb():
                 xg.grad = None
@@ -121,17 +124,10 @@ def bench_kernels(rep: Report, n, e, f, threads, repeats, max_seconds, graphs):
                 gnn.gather(xg, src).backward(go_msg)
 
             out_buf = torch.empty(e, f)
-            st = measure({"torch": lambda: torch.index_select(x, 0, src, out=out_buf),
-                          "cpu_opt": lambda: gnn.gather(x, src, out=out_buf), "torch_fb": t_fb, "cpu_opt_fb": c_fb},
-                         warmup=1, repeats=repeats, max_seconds=max_seconds)
-            for mode, a, b in (("fwd", "cpu_opt", "torch"), ("fwd+bwd", "cpu_opt_fb", "torch_fb")):
-                row = dict(kind="kernel", graph=gname, threads=th, op="gather", mode=mode,
-                           cpu_opt_ms=st[a].median * 1e3, torch_ms=st[b].median * 1e3,
-                           speedup=st[b].median / st[a].median, baseline="index_select")
-                if mode == "fwd":
-                    row["gbs"] = (2 * e * f * 4 + e * 8) / st[a].median / 1e9
-                    row["pct_bw"] = 100 * row["gbs"] / bw
-                rep.add(**row)
+            _versus(rep, {"base": lambda: torch.index_select(x, 0, src, out=out_buf),
+                          "cpu_opt": lambda: gnn.gather(x, src, out=out_buf), "base_fb": t_fb, "cpu_opt_fb": c_fb},
+                    baseline="index_select", repeats=repeats, max_seconds=max_seconds,
+                    fwd_bytes=2 * e * f * 4 + e * 8, bw=bw, graph=gname, threads=th, op="gather")
 
 
 def bench_torch_scatter(rep: Report, n, e, f, threads, repeats, max_seconds, graphs):
@@ -162,13 +158,9 @@ def bench_torch_scatter(rep: Report, n, e, f, threads, repeats, max_seconds, gra
                     msgg.grad = None
                     gnn.scatter(msgg, dst, 0, n, r).backward(go)
 
-                st = measure({"torch_scatter": t_fwd, "cpu_opt": lambda r=r: gnn.scatter(msg, dst, 0, n, r),
-                              "torch_scatter_fb": t_fb, "cpu_opt_fb": c_fb}, warmup=1, repeats=repeats,
-                             max_seconds=max_seconds)
-                for mode, a, b in (("fwd", "cpu_opt", "torch_scatter"), ("fwd+bwd", "cpu_opt_fb", "torch_scatter_fb")):
-                    rep.add(kind="kernel", graph=gname, threads=th, op=f"scatter_{r}", mode=mode,
-                            cpu_opt_ms=st[a].median * 1e3, torch_ms=st[b].median * 1e3,
-                            speedup=st[b].median / st[a].median, baseline="torch_scatter.scatter")
+                _versus(rep, {"base": t_fwd, "cpu_opt": lambda r=r: gnn.scatter(msg, dst, 0, n, r),
+                              "base_fb": t_fb, "cpu_opt_fb": c_fb}, baseline="torch_scatter.scatter",
+                        repeats=repeats, max_seconds=max_seconds, graph=gname, threads=th, op=f"scatter_{r}")
 
 
 def bench_torch_sparse(rep: Report, n, e, f, threads, repeats, max_seconds, graphs):
@@ -197,13 +189,10 @@ def bench_torch_sparse(rep: Report, n, e, f, threads, repeats, max_seconds, grap
                     xg.grad = None
                     gnn.spmm(g, xg, r).backward(go)
 
-                st = measure({"torch_sparse": lambda ts_r=ts_r: torch_sparse.matmul(adj, x, ts_r),
-                              "cpu_opt": lambda r=r: gnn.spmm(g, x, r), "torch_sparse_fb": t_fb, "cpu_opt_fb": c_fb},
-                             warmup=1, repeats=repeats, max_seconds=max_seconds)
-                for mode, a, b in (("fwd", "cpu_opt", "torch_sparse"), ("fwd+bwd", "cpu_opt_fb", "torch_sparse_fb")):
-                    rep.add(kind="kernel", graph=gname, threads=th, op=f"spmm_{r}", mode=mode,
-                            cpu_opt_ms=st[a].median * 1e3, torch_ms=st[b].median * 1e3,
-                            speedup=st[b].median / st[a].median, baseline="torch_sparse.matmul")
+                _versus(rep, {"base": lambda ts_r=ts_r: torch_sparse.matmul(adj, x, ts_r),
+                              "cpu_opt": lambda r=r: gnn.spmm(g, x, r), "base_fb": t_fb, "cpu_opt_fb": c_fb},
+                        baseline="torch_sparse.matmul", repeats=repeats, max_seconds=max_seconds,
+                        graph=gname, threads=th, op=f"spmm_{r}")
 
 
 def bench_gather_order(rep: Report, n, e, f, threads, repeats, max_seconds):
