@@ -147,21 +147,21 @@ def segment_reduce(rowptr, col, weight, x, reduce: str, self=None, include_self:
     isuf, ict = INDEX_DTYPES[col.dtype]
     out = native.empty(n_rows, F, dtype=x.dtype)
     want_arg = want_arg and reduce in ("amax", "amin")
-    wmask = None
+    index = wmask = None  # what the kernel fills: the int32 winner index or the winner bit mask
     if want_arg and mask:
-        arg = wmask = native.empty(col.numel(), mask_words(F), dtype=torch.int64)
+        wmask = native.empty(col.numel(), mask_words(F), dtype=torch.int64)
     elif want_arg:
-        arg = native.empty(n_rows, F, dtype=torch.int32)
-    else:
-        arg = torch.empty(0, dtype=torch.int32)
+        index = native.empty(n_rows, F, dtype=torch.int32)
     bad = native.ffi().new("int64_t *", -1)
     st = _fn(f"segment_reduce_{dt}_{isuf}")(
         _p(rowptr, "int64_t *"), n_rows, _p(col, ict), _p(weight, ct), _p(x, ct), x.shape[0], F,
         REDUCE_CODES[reduce], _p(self, ct), int(bool(include_self)), _p(out, ct),
-        _p(arg if want_arg and wmask is None else None, "int32_t *"), _p(wmask, "uint64_t *"), _nthreads(), bad)
+        _p(index, "int32_t *"), _p(wmask, "uint64_t *"), _nthreads(), bad)
     if st:
         _raise_index("segment_reduce", st, bad[0], "col", col, x.shape[0], rowptr)
-    return out, arg
+    if wmask is not None:
+        return out, wmask
+    return out, index if index is not None else torch.empty(0, dtype=torch.int32)
 
 
 def mask_words(F: int) -> int:

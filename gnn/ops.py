@@ -171,12 +171,13 @@ def spmm_forward(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], x: Tenso
 
 @spmm_op.register_fake
 def _(rowptr, col, weight, colptr, row_t, perm_t, x, reduce):
-    n = rowptr.shape[0] - 1
+    n, F = rowptr.shape[0] - 1, x.shape[1]
+    out = x.new_empty(n, F)
     if reduce not in _ARG_REDUCES:
-        return x.new_empty(n, x.shape[1]), x.new_empty(0, dtype=torch.int32)
-    if K.use_winner_mask(col.shape[0], n, x.shape[1]):
-        return x.new_empty(n, x.shape[1]), x.new_empty(col.shape[0], K.mask_words(x.shape[1]), dtype=torch.int64)
-    return x.new_empty(n, x.shape[1]), x.new_empty(n, x.shape[1], dtype=torch.int32)
+        return out, x.new_empty(0, dtype=torch.int32)
+    if K.use_winner_mask(col.shape[0], n, F):
+        return out, x.new_empty(col.shape[0], K.mask_words(F), dtype=torch.int64)
+    return out, x.new_empty(n, F, dtype=torch.int32)
 
 
 @torch.library.custom_op("cpu_opt::scatter_reduce", mutates_args=())

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import sys
 import threading
@@ -226,7 +227,10 @@ class _OneDNNLinear(torch.autograd.Function):
         return gx, gw, gb
 
 
+@functools.lru_cache(maxsize=None)
 def _onednn_linear_route() -> bool:
+    """Whether fp32 linear layers go to torch's oneDNN on this machine (decided once: the routing
+    table needs hw.detect())."""
     from .. import routing
 
     return torch.backends.mkldnn.is_available() and routing.route("linear", "fp32").backend == "torch_onednn"
@@ -245,16 +249,16 @@ def linear(x, weight, bias=None):
     inputs of at least ``ONEDNN_LINEAR_MIN_ROWS`` rows. Measured here (100k rows, K=64,
     N=8..128, ``torch.addmm`` against ``mkldnn._linear_pointwise``, medians): 1.1-1.9x at 1 thread,
     0.99-1.8x at 2; the input-gradient GEMMs (K=8..32, N=64) 1.3-1.8x."""
-    if (_ONEDNN_LINEAR[0] and _linear_on.get() and x.dim() == 2 and x.dtype == torch.float32 and weight.dtype == torch.float32
+    if (_linear_on.get() and x.dim() == 2 and x.dtype == torch.float32 and weight.dtype == torch.float32
             and x.device.type == "cpu" and x.shape[0] >= ONEDNN_LINEAR_MIN_ROWS
             and not isinstance(weight, torch.nn.parameter.UninitializedParameter)
-            and (bias is None or bias.dtype == torch.float32) and not torch.compiler.is_compiling()):
+            and (bias is None or bias.dtype == torch.float32) and not torch.compiler.is_compiling()
+            and _onednn_linear_route()):
         _counts["linear: torch's oneDNN"] += 1
         return _OneDNNLinear.apply(x.contiguous(), weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 
-_ONEDNN_LINEAR = [None]  # decided on first use (the routing table needs hw.detect())
 # the running OptimizedGNN's onednn_linear option (also for the linear-first forwards' own linears)
 _linear_on: contextvars.ContextVar = contextvars.ContextVar("cpu_opt_gnn_onednn_linear", default=True)
 
@@ -268,9 +272,7 @@ def linear_layers(model: torch.nn.Module) -> dict:
     """``{module: forward}`` for the Linear layers of ``model`` (torch's and PyG's)."""
     from torch_geometric.nn.dense.linear import Linear as PygLinear
 
-    if _ONEDNN_LINEAR[0] is None:
-        _ONEDNN_LINEAR[0] = _onednn_linear_route()
-    if not _ONEDNN_LINEAR[0]:
+    if not _onednn_linear_route():
         return {}
     return {m: _linear_forward for m in model.modules()
             if type(m) in (torch.nn.Linear, PygLinear) and "forward" not in m.__dict__}
