@@ -9,7 +9,7 @@ import sys
 def info_dict() -> dict:
     import torch
 
-    from . import hw, routing
+    from .platform import hw, routing
 
     info = hw.detect()
     out = {

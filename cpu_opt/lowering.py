@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from . import routing
+from .platform import routing
 from .dnnl import graph as G
 from .dnnl.memory import TORCH_TO_DNNL
 

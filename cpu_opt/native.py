@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from . import hw
+from .platform import hw
 from .errors import NativeKernelError
 
 # variant -> features it needs (all of them)

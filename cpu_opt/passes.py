@@ -306,7 +306,7 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
 
     A rerouted node becomes ``mkldnn._linear_pointwise(x, W, b)`` with ``W`` an (N, K) buffer, and
     records its route and reason in ``node.meta["cpu_opt_route"]``."""
-    from . import routing
+    from .platform import routing
 
     if dtype != "fp32":
         return []

@@ -16,7 +16,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from . import hw, passes, routing
+from . import passes
+from .platform import hw, routing
 from .capture import Captured, CaptureError, _propagate_shapes, capture, flatten_inputs
 from .errors import CpuOptError
 

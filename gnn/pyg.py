@@ -231,7 +231,7 @@ class _OneDNNLinear(torch.autograd.Function):
 def _onednn_linear_route() -> bool:
     """Whether fp32 linear layers go to torch's oneDNN on this machine (decided once: the routing
     table needs hw.detect())."""
-    from .. import routing
+    from ..platform import routing
 
     return torch.backends.mkldnn.is_available() and routing.route("linear", "fp32").backend == "torch_onednn"
 

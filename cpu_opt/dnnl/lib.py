@@ -50,7 +50,7 @@ def _load():
     import torch  # noqa: F401  - see module docstring (shared libgomp)
     import cffi
 
-    from .. import hw
+    from ..platform import hw
 
     # Follow cpu_opt's ISA cap inside oneDNN too (oneDNN reads this once, at its first use).
     cap = hw.isa_cap_from_env()
