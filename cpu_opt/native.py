@@ -11,11 +11,16 @@ import functools
 from .platform import hw
 from .errors import NativeKernelError
 
-# variant -> features it needs (all of them)
+# variant -> every feature its ``#pragma GCC target`` in native/variants.c lets the compiler use
+# (what gcc's -m flags imply, in /proc/cpuinfo's names: SSE3 is "pni"), so a VM that masks any of
+# them (say bmi2) gets a lower variant instead of SIGILL. tests/test_native.py derives this list
+# from the pragmas with gcc and compares.
+_AVX2_REQUIRES = frozenset({"pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "xsave", "avx", "avx2", "fma", "f16c",
+                            "bmi2"})
 VARIANT_REQUIRES = {
-    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
-    "avx2": {"avx2", "fma", "f16c"},
-    "base": set(),
+    "avx512": _AVX2_REQUIRES | {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+    "avx2": _AVX2_REQUIRES,
+    "base": frozenset(),
 }
 VARIANT_ORDER = ("avx512", "avx2", "base")
 

@@ -85,3 +85,74 @@ def test_status_check_names_the_error():
     with pytest.raises(NativeKernelError, match="CO_ERR_BAD_ARGUMENT"):
         native.check(-2, "kernel")
     native.check(0, "kernel")
+
+
+# ------------------------------------------------------------------ variant requirements vs the compiler
+
+# gcc's predefined macros -> /proc/cpuinfo flag names (the baseline x86-64 ones, SSE/SSE2/MMX/FXSR, are
+# what every variant may use and are left out by diffing against no -m flags)
+MACRO_TO_FLAG = {
+    "__SSE3__": "pni", "__SSSE3__": "ssse3", "__SSE4_1__": "sse4_1", "__SSE4_2__": "sse4_2",
+    "__CRC32__": "sse4_2", "__POPCNT__": "popcnt", "__XSAVE__": "xsave", "__AVX__": "avx", "__AVX2__": "avx2",
+    "__FMA__": "fma", "__F16C__": "f16c", "__BMI__": "bmi1", "__BMI2__": "bmi2", "__LZCNT__": "abm",
+    "__MOVBE__": "movbe", "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl",
+    "__AVX512DQ__": "avx512dq", "__AVX512CD__": "avx512cd", "__AVX512VNNI__": "avx512_vnni",
+    "__AVX512BF16__": "avx512_bf16", "__AVXVNNI__": "avx_vnni", "__AMX_TILE__": "amx_tile",
+}
+
+
+def _pragma_targets() -> dict:
+    """variant -> the feature list of its ``#pragma GCC target("...")`` in native/variants.c."""
+    import re
+    from pathlib import Path
+
+    src = (Path(__file__).resolve().parent.parent / "native" / "variants.c").read_text()
+    found = re.findall(r'#pragma GCC target\("([^"]+)"\)\s*\n#define KSUFFIX _(\w+)', src)
+    return {variant: target.split(",") for target, variant in found}
+
+
+def _implied_flags(features: list) -> set:
+    import shutil
+    import subprocess
+
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    assert gcc, "the native build needs a C compiler; so does this test"
+
+    def macros(args):
+        out = subprocess.run([gcc, *args, "-dM", "-E", "-x", "c", "-"], input="", capture_output=True,
+                             text=True, check=True).stdout
+        return {line.split()[1] for line in out.splitlines() if line.startswith("#define __")}
+
+    extra = macros([f"-m{f}" for f in features]) - macros([])
+    # ISA macros are spelled __NAME__; __FP_FAST_FMA and the like describe float semantics
+    isa_macros = {m for m in extra if m.endswith("__") and not m.startswith("__FP_")}
+    unknown = isa_macros - set(MACRO_TO_FLAG)
+    assert not unknown, f"map these gcc ISA macros to /proc/cpuinfo flags: {sorted(unknown)}"
+    return {MACRO_TO_FLAG[m] for m in isa_macros}
+
+
+@pytest.mark.skipif(hw.detect().arch != "x86_64", reason="the ISA variants exist on x86-64 only (aarch64 builds base)")
+def test_variant_requirements_match_the_compiler_targets():
+    targets = _pragma_targets()
+    assert set(targets) == {"avx2", "avx512"}, targets
+    for variant, features in targets.items():
+        implied = _implied_flags(features)
+        assert implied == set(native.VARIANT_REQUIRES[variant]), (
+            f"variant {variant}: #pragma GCC target({','.join(features)}) lets gcc use {sorted(implied)}, "
+            f"VARIANT_REQUIRES says {sorted(native.VARIANT_REQUIRES[variant])}")
+    assert "bmi2" in native.VARIANT_REQUIRES["avx2"]
+
+
+@pytest.mark.parametrize("masked", ["bmi2", "f16c", "fma", "popcnt"])
+def test_a_vm_that_masks_one_flag_gets_the_lower_variant(masked):
+    """A hypervisor may hide one flag (bmi2, say) while keeping avx2: the avx2 variant would then
+    die on an illegal instruction, so selection must fall back to base."""
+    from pathlib import Path
+
+    fix = Path(__file__).parent / "fixtures" / "cpuinfo" / "amd_zen3.txt"
+    text = "\n".join(line.replace(f" {masked} ", " ") if line.startswith("flags") else line
+                     for line in fix.read_text().splitlines())
+    info = hw.build_info(text)
+    assert masked not in info.isa and "avx2" in info.isa
+    assert native.select_variant(info) == "base"
+    assert native.select_variant(hw.build_info(fix.read_text())) == "avx2"

@@ -2,13 +2,12 @@
 since the suite runs with --import-mode=importlib)."""
 import torch
 
-from cpu_opt import hw
+from cpu_opt import hw, native
 
-# Variants that can execute here (avx512 cannot on an AVX2-only CPU: test_segment checks that it
-# was at least compiled).
-RUNNABLE_VARIANTS = ["base"] + (["avx2"] if {"avx2", "fma", "f16c"} <= hw.detect().isa_uncapped else [])
-if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= hw.detect().isa_uncapped:
-    RUNNABLE_VARIANTS.append("avx512")
+# Variants that can execute here, whatever the cap (avx512 cannot on an AVX2-only CPU:
+# test_segment checks that it was at least compiled).
+RUNNABLE_VARIANTS = [v for v in reversed(native.VARIANT_ORDER)
+                     if v in native.compiled_variants() and native.VARIANT_REQUIRES[v] <= hw.detect().isa_uncapped]
 
 
 def make_graph(case: str, seed: int = 0):
