@@ -9,6 +9,11 @@
 # First, before anything imports torch: on aarch64 this applies the CPU_OPT_* start-up opt-ins
 # (DNNL_DEFAULT_FPMATH_MODE must be in the environment before torch loads oneDNN). No torch here.
 from . import graviton as _graviton  # noqa: E402,F401
+from .platform import hw as _hw  # noqa: E402
+
+# CPU_OPT_MAX_ISA caps the oneDNN inside torch as well as cpu_opt's own (both read
+# ONEDNN_MAX_CPU_ISA at their first primitive), so routes to either run what the cap allows.
+_hw.export_cap()
 
 __version__ = "0.1.0"
 

@@ -382,7 +382,8 @@ def test_empty_text_does_not_crash():
 
 @pytest.fixture
 def fresh_detect(monkeypatch):
-    monkeypatch.delenv("CPU_OPT_MAX_ISA", raising=False)
+    for var in ("CPU_OPT_MAX_ISA", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(var, raising=False)
     hw._detect_cached.cache_clear()
     yield
     hw._detect_cached.cache_clear()
@@ -439,3 +440,75 @@ def test_detect_rejects_unknown_cap_env(fresh_detect, monkeypatch):
     monkeypatch.setenv("CPU_OPT_MAX_ISA", "avx9000")
     with pytest.raises(hw.ISACapError, match="avx9000"):
         hw.detect()
+
+
+def test_onednn_cap_variable_caps_detect_and_the_lower_cap_wins(fresh_detect, monkeypatch):
+    if hw.detect().arch != "x86_64":
+        pytest.skip("ONEDNN_MAX_CPU_ISA is read on x86-64 only (aarch64 oneDNN levels are torch's)")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "SSE41")
+    assert hw.isa_cap_from_env() == "sse41" and hw.isa_cap_source() == "ONEDNN_MAX_CPU_ISA"
+    assert "avx2" not in hw.detect().isa
+    monkeypatch.setenv("CPU_OPT_MAX_ISA", "avx512_core")
+    assert hw.isa_cap_from_env() == "sse41"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")
+    assert hw.isa_cap_from_env() == "avx512_core" and hw.isa_cap_source() == "CPU_OPT_MAX_ISA"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX_FP16")
+    monkeypatch.delenv("CPU_OPT_MAX_ISA")
+    assert hw.isa_cap_from_env() == "avx512_core_amx"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX9000")
+    with pytest.warns(RuntimeWarning, match="AVX9000"):
+        assert hw.isa_cap_from_env() is None
+
+
+def test_export_cap_sets_library_variables_only_when_unset(monkeypatch):
+    if hw.detect().arch != "x86_64":
+        pytest.skip("x86-64 only")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    monkeypatch.setenv("CPU_OPT_MAX_ISA", "avx2")
+    hw.export_cap()
+    import os
+
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert os.environ["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "SSE41")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "SSE4_2")
+    hw.export_cap()
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "SSE41"  # the user's own settings stay
+    assert os.environ["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
+
+
+def test_every_reported_feature_belongs_to_a_cap_level():
+    """A feature outside every level would survive every cap (CPU_OPT_MAX_ISA=sse41 would keep it)."""
+    for features, levels in ((hw.X86_FEATURES, hw.X86_ISA_LEVELS), (hw.ARM_FEATURES, hw.ARM_ISA_LEVELS)):
+        leveled = set().union(*levels.values())
+        assert set(features) <= leveled, sorted(set(features) - leveled)
+    for name in X86_FIXTURES:
+        assert hw.build_info(text(name), cap="sse41").isa <= hw.X86_ISA_LEVELS["sse41"]
+
+
+@pytest.mark.parametrize("name, micro", [("amd_zen3", "Zen 3"), ("amd_zen5", "Zen 5"), ("intel_icelake", "Ice Lake-SP"),
+                                         ("intel_sapphirerapids", "Sapphire Rapids"), ("graviton3_v1", "Neoverse V1")])
+def test_label_names_the_microarchitecture(name, micro):
+    i = info(name)
+    assert i.microarchitecture == micro
+    assert micro in i.label and i.model_name in i.label
+    if i.arch == "x86_64":
+        assert f"family {i.family} model {i.model}" in i.label
+
+
+@pytest.mark.parametrize("name", X86_FIXTURES)
+def test_flags_are_the_kernel_flags(name):
+    i = info(name)
+    line = next(ln for ln in text(name).splitlines() if ln.startswith("flags"))
+    assert i.flags == frozenset(line.split(":", 1)[1].split())
+    assert i.isa_uncapped <= i.flags
+
+
+def test_bf16_and_vnni_predicates_separate_accepting_from_native():
+    icx, z5, z3, spr = info("intel_icelake"), info("amd_zen5"), info("amd_zen3"), info("intel_sapphirerapids")
+    assert hw.has_avx512_core(icx) and not hw.has_native_bf16(icx) and hw.has_vnni(icx)
+    assert hw.has_avx512_core(z5) and hw.has_native_bf16(z5) and hw.has_vnni(z5)
+    assert not hw.has_avx512_core(z3) and not hw.has_native_bf16(z3) and not hw.has_vnni(z3)
+    assert hw.has_native_bf16(spr) and not hw.has_native_bf16(info("intel_sapphirerapids", cap="avx512_core_vnni"))
+    assert not hw.has_avx512_core(info("amd_zen5", cap="avx2"))

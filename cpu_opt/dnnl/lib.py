@@ -53,9 +53,7 @@ def _load():
     from ..platform import hw
 
     # Follow cpu_opt's ISA cap inside oneDNN too (oneDNN reads this once, at its first use).
-    cap = hw.isa_cap_from_env()
-    if cap and "ONEDNN_MAX_CPU_ISA" not in os.environ and hw.detect().arch == "x86_64":
-        os.environ["ONEDNN_MAX_CPU_ISA"] = hw.ONEDNN_ISA_FOR_CAP.get(cap.lower(), "ALL")
+    hw.export_cap()
 
     ffi = cffi.FFI()
     ffi.cdef(_cdef_text())

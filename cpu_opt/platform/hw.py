@@ -28,31 +28,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-# x86 feature names we report (lowercase, as Linux spells them in /proc/cpuinfo).
+# x86 ISA features we report (lowercase, as Linux spells them in /proc/cpuinfo: "pni" is SSE3,
+# "abm" is LZCNT). Every one of them belongs to a level of the cap below; everything else the kernel
+# lists stays in CPUInfo.flags.
 X86_FEATURES = (
-    "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c",
-    "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl",
-    "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx512ifma", "avx512vbmi",
+    "pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "aes", "pclmulqdq",
+    "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "xsave", "vaes", "vpclmulqdq", "gfni",
+    "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512ifma", "avx512vbmi",
+    "avx512_vbmi2", "avx512_bitalg", "avx512_vpopcntdq", "avx512_vp2intersect",
+    "avx512_vnni", "avx512_bf16", "avx512_fp16",
     "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16",
 )
+AMX_FEATURES = frozenset({"amx_tile", "amx_bf16", "amx_int8", "amx_fp16"})
 # Aliases seen in other sources (py-cpuinfo, older kernels) -> our names.
 _X86_ALIASES = {
     "avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16",
     "avxvnni": "avx_vnni", "amxtile": "amx_tile", "amxbf16": "amx_bf16", "amxint8": "amx_int8",
-    "sse4.1": "sse4_1", "sse4.2": "sse4_2",
+    "sse4.1": "sse4_1", "sse4.2": "sse4_2", "sse3": "pni", "bmi": "bmi1", "lzcnt": "abm",
+    "avx512vbmi2": "avx512_vbmi2", "avx512bitalg": "avx512_bitalg", "avx512vpopcntdq": "avx512_vpopcntdq",
 }
 ARM_FEATURES = ("asimd", "asimddp", "asimdhp", "fphp", "sve", "sve2", "bf16", "i8mm", "svebf16", "svei8mm", "sme")
 
 # Levels of the ISA cap, each with the features it allows on top of the previous level.
 X86_ISA_LEVELS = {
-    "sse41": {"sse4_1", "sse4_2"},
-    "avx2": {"avx", "avx2", "fma", "f16c"},
+    "sse41": {"pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "aes", "pclmulqdq"},
+    "avx2": {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "xsave", "vaes", "vpclmulqdq", "gfni"},
     "avx2_vnni": {"avx_vnni"},
-    "avx512_core": {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512ifma", "avx512vbmi"},
+    "avx512_core": {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512ifma", "avx512vbmi",
+                    "avx512_vbmi2", "avx512_bitalg", "avx512_vpopcntdq", "avx512_vp2intersect"},
     "avx512_core_vnni": {"avx512_vnni"},
     "avx512_core_bf16": {"avx512_bf16"},
     "avx512_core_fp16": {"avx512_fp16"},
-    "avx512_core_amx": {"amx_tile", "amx_bf16", "amx_int8", "amx_fp16"},
+    "avx512_core_amx": set(AMX_FEATURES),
     "all": set(),
 }
 ARM_ISA_LEVELS = {
@@ -68,6 +75,16 @@ ONEDNN_ISA_FOR_CAP = {
     "avx512_core_fp16": "AVX512_CORE_FP16", "avx512_core_amx": "AVX512_CORE_AMX", "all": "ALL",
 }
 
+# ONEDNN_MAX_CPU_ISA values (oneDNN 3.x spellings) -> our level: a user who caps oneDNN directly
+# caps the routes too. oneDNN's AVX (no AVX2) maps to sse41, the highest level without AVX2.
+CAP_FOR_ONEDNN_ISA = {
+    "SSE41": "sse41", "AVX": "sse41", "AVX2": "avx2", "AVX2_VNNI": "avx2_vnni", "AVX2_VNNI_2": "avx2_vnni",
+    "AVX512_CORE": "avx512_core", "AVX512_CORE_VNNI": "avx512_core_vnni", "AVX512_CORE_BF16": "avx512_core_bf16",
+    "AVX512_CORE_FP16": "avx512_core_fp16", "AVX10_1_512": "avx512_core_fp16", "AVX512_CORE_AMX": "avx512_core_amx",
+    "AVX512_CORE_AMX_FP16": "avx512_core_amx", "AVX10_1_512_AMX": "avx512_core_amx",
+    "AVX10_1_512_AMX_FP16": "avx512_core_amx", "DEFAULT": "all", "ALL": "all",
+}
+
 # Arm 'CPU part' (MIDR) of the implementer 0x41 (Arm Ltd) -> core name, and its usual SVE width.
 ARM_CORES = {
     0xD0C: ("Neoverse N1", 0),
@@ -79,8 +96,43 @@ ARM_CORES = {
     0xD08: ("Cortex-A72", 0),
     0xD0B: ("Cortex-A76", 0),
 }
+# x86 (vendor, family, model) -> core name, for labels only (never for routing: routes follow features).
+X86_CORES = {
+    ("GenuineIntel", 6, 85): "Skylake-SP / Cascade Lake", ("GenuineIntel", 6, 106): "Ice Lake-SP",
+    ("GenuineIntel", 6, 108): "Ice Lake-D", ("GenuineIntel", 6, 143): "Sapphire Rapids",
+    ("GenuineIntel", 6, 207): "Emerald Rapids", ("GenuineIntel", 6, 173): "Granite Rapids",
+    ("GenuineIntel", 6, 79): "Broadwell", ("GenuineIntel", 6, 63): "Haswell",
+    ("AuthenticAMD", 23, 1): "Zen", ("AuthenticAMD", 23, 49): "Zen 2", ("AuthenticAMD", 25, 1): "Zen 3",
+    ("AuthenticAMD", 25, 17): "Zen 4", ("AuthenticAMD", 25, 160): "Zen 4c",
+}
+X86_CORE_FAMILIES = {("AuthenticAMD", 26): "Zen 5", ("AuthenticAMD", 25): "Zen 3 / Zen 4",
+                     ("AuthenticAMD", 23): "Zen / Zen 2"}
 # Known deployments, to name the instance family in reports.
 GRAVITON = {"Neoverse N1": "Graviton2", "Neoverse V1": "Graviton3", "Neoverse V2": "Graviton4"}
+
+
+# The feature sets conditions are written with (after the cap: CPUInfo.isa).
+AVX512_CORE = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})   # oneDNN's avx512_core
+AVX2_FMA = frozenset({"avx2", "fma"})
+
+
+def has_avx512_core(info: "CPUInfo") -> bool:
+    """oneDNN's avx512_core level: from here oneDNN 3.2 *accepts* bf16 (emulated without AVX512_BF16)."""
+    return info.arch == "x86_64" and AVX512_CORE <= info.isa
+
+
+def has_native_bf16(info: "CPUInfo") -> bool:
+    """bf16 dot products in hardware: AVX512_BF16 or AMX-BF16 on x86, BF16 on Arm — the condition
+    for bf16 to be *fast*, which is not the condition for oneDNN to accept it."""
+    if info.arch == "x86_64":
+        return "avx512_bf16" in info.isa or "amx_bf16" in info.isa
+    return "bf16" in info.isa
+
+
+def has_vnni(info: "CPUInfo") -> bool:
+    """u8 x s8 dot products with int32 accumulation (AVX512_VNNI, AVX-VNNI or AMX-INT8): without
+    them x86 int8 kernels add pairs of products in int16 and saturate 8-bit activations."""
+    return info.arch == "x86_64" and bool({"avx512_vnni", "avx_vnni", "amx_int8"} & info.isa)
 
 
 class ISACapError(ValueError):
@@ -99,7 +151,10 @@ class CPUInfo:
     cache_sizes: MappingProxyType = field(default_factory=dict, hash=False)
     isa: frozenset = frozenset()           # features after the cap
     isa_uncapped: frozenset = frozenset()  # features the CPU and OS offer
-    isa_cap: str | None = None             # the CPU_OPT_MAX_ISA level in force, if any
+    isa_cap: str | None = None             # the cap level in force, if any (CPU_OPT_MAX_ISA / ONEDNN_MAX_CPU_ISA)
+    # every flag the kernel lists in /proc/cpuinfo (AMX ones only where the OS offers tile state),
+    # known to cpu_opt or not
+    flags: frozenset = frozenset()
     sve_vector_bits: int = 0               # aarch64: SVE vector length in bits (0 = no SVE)
     arm_core: str | None = None            # aarch64: "Neoverse V1" etc.
     arm_cpu_part: int | None = None
@@ -121,12 +176,30 @@ class CPUInfo:
     def graviton(self) -> str | None:
         return GRAVITON.get(self.arm_core or "")
 
+    @property
+    def microarchitecture(self) -> str | None:
+        """The core's name where (vendor, family, model) or the Arm part is known, e.g. "Zen 3"."""
+        if self.arch == "aarch64":
+            return self.arm_core
+        return X86_CORES.get((self.vendor, self.family, self.model)) or \
+            X86_CORE_FAMILIES.get((self.vendor, self.family))
+
+    @property
+    def label(self) -> str:
+        """Model name with the microarchitecture and the family/model numbers: what benchmark
+        tables and profiles name the machine by ("AMD EPYC (Zen 3, family 25 model 1)")."""
+        bits = [b for b in (self.microarchitecture,) if b]
+        if self.family is not None:
+            bits.append(f"family {self.family} model {self.model}")
+        return f"{self.model_name} ({', '.join(bits)})" if bits else self.model_name
+
     def to_dict(self) -> dict:
         return {
             "arch": self.arch, "vendor": self.vendor, "model_name": self.model_name,
             "physical_cores": self.physical_cores, "logical_cpus": self.logical_cpus,
             "cache_sizes": dict(self.cache_sizes), "isa": sorted(self.isa),
-            "isa_uncapped": sorted(self.isa_uncapped), "isa_cap": self.isa_cap,
+            "isa_uncapped": sorted(self.isa_uncapped), "isa_cap": self.isa_cap, "flags": sorted(self.flags),
+            "family": self.family, "model": self.model, "microarchitecture": self.microarchitecture,
             "sve_vector_bits": self.sve_vector_bits, "arm_core": self.arm_core,
             "graviton": self.graviton, "torch_capability": self.torch_capability,
             "disagreements": list(self.disagreements), "sources": list(self.sources),
@@ -157,6 +230,7 @@ def parse_proc_cpuinfo(text: str) -> dict:
     out = {
         "arch": "aarch64" if is_arm else "x86_64",
         "flags": flags,
+        "raw_flags": set(flags_text.split()),
         "logical": n_logical,
         "physical": len(cores) if not is_arm else n_logical,
         "vendor": first.get("vendor_id", ""),
@@ -212,8 +286,68 @@ def normalize_isa_cap(cap: str | None) -> str | None:
 
 
 def isa_cap_from_env() -> str | None:
-    cap = os.environ.get("CPU_OPT_MAX_ISA", "").strip()
-    return cap or None
+    """The cap in force: ``CPU_OPT_MAX_ISA``, or on x86 a ``ONEDNN_MAX_CPU_ISA`` (or the older
+    ``DNNL_MAX_CPU_ISA``) the user set, mapped to our levels; the lower of the two when both are set.
+    oneDNN obeys its own variable whatever we do, so routes that ignored it would send work to
+    kernels oneDNN no longer has (bf16 graphs below avx512_core abort inside oneDNN 3.2)."""
+    ours = normalize_isa_cap(os.environ.get("CPU_OPT_MAX_ISA"))
+    theirs = _onednn_cap_from_env()
+    if theirs is None or theirs == "all":
+        return ours
+    if ours is None or ours == "all":
+        return theirs
+    levels = list(X86_ISA_LEVELS)
+    if ours not in levels:
+        return ours  # build_info names the bad value
+    return ours if levels.index(ours) <= levels.index(theirs) else theirs
+
+
+def isa_cap_source() -> str | None:
+    """Which variable the cap in force comes from (``None`` without a cap)."""
+    cap = isa_cap_from_env()
+    if cap is None:
+        return None
+    return "CPU_OPT_MAX_ISA" if normalize_isa_cap(os.environ.get("CPU_OPT_MAX_ISA")) == cap else "ONEDNN_MAX_CPU_ISA"
+
+
+def _onednn_cap_from_env() -> str | None:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None  # on aarch64 oneDNN's levels (SVE_256 ...) are torch's business
+    raw = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    if not raw:
+        return None
+    level = CAP_FOR_ONEDNN_ISA.get(raw)
+    if level is None:
+        import warnings
+
+        warnings.warn(f"ONEDNN_MAX_CPU_ISA={raw!r} is not a oneDNN 3.x ISA name cpu_opt knows; "
+                      "routes ignore it", RuntimeWarning, stacklevel=3)
+    return level
+
+
+# The MKL_ENABLE_INSTRUCTIONS value for each cap (MKL runs torch's fp32 GEMMs): None leaves MKL alone.
+MKL_ISA_FOR_CAP = {
+    "sse41": "SSE4_2", "avx2": "AVX2", "avx2_vnni": "AVX2", "avx512_core": "AVX512",
+    "avx512_core_vnni": "AVX512_E1", "avx512_core_bf16": "AVX512_E1", "avx512_core_fp16": "AVX512_E1",
+    "avx512_core_amx": None, "all": None,
+}
+
+
+def export_cap() -> None:
+    """Give the kernel libraries the level of ``CPU_OPT_MAX_ISA``, unless the user set their own
+    variables: ``ONEDNN_MAX_CPU_ISA`` for cpu_opt's libdnnl and the oneDNN inside torch (both read
+    it once, at their first primitive) and ``MKL_ENABLE_INSTRUCTIONS`` for MKL (torch's fp32 GEMMs).
+    Called at ``import cpu_opt`` (the libraries inside torch are capped only if nothing ran in them
+    before; set the variables before starting Python to be sure) and again when libdnnl loads.
+    FBGEMM and torch's own ATen kernels have no such switch after start-up (ATen reads
+    ``ATEN_CPU_CAPABILITY`` when torch loads)."""
+    cap = normalize_isa_cap(os.environ.get("CPU_OPT_MAX_ISA"))
+    if not cap or platform.machine() not in ("x86_64", "AMD64"):
+        return
+    if cap in ONEDNN_ISA_FOR_CAP and "ONEDNN_MAX_CPU_ISA" not in os.environ:
+        os.environ["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA_FOR_CAP[cap]
+    if MKL_ISA_FOR_CAP.get(cap) and "MKL_ENABLE_INSTRUCTIONS" not in os.environ:
+        os.environ["MKL_ENABLE_INSTRUCTIONS"] = MKL_ISA_FOR_CAP[cap]
 
 
 # ----------------------------------------------------------------------------- live probes
@@ -317,10 +451,12 @@ def build_info(cpuinfo_text: str, *, pycpuinfo: dict | None = None, torch_capabi
             notes.append(f"py-cpuinfo and /proc/cpuinfo differ: only /proc/cpuinfo {only_proc}, "
                          f"only py-cpuinfo {only_py}; /proc/cpuinfo wins (it reflects OS support)")
 
-    if arch == "x86_64" and feats & {"amx_tile", "amx_bf16", "amx_int8"}:
+    flags = set(p["raw_flags"])
+    if arch == "x86_64" and feats & AMX_FEATURES:
         if amx_os_enabled is False:
             notes.append("CPU reports AMX but the kernel does not offer AMX tile state; AMX not counted")
-            feats -= {"amx_tile", "amx_bf16", "amx_int8", "amx_fp16"}
+            feats -= AMX_FEATURES
+            flags -= AMX_FEATURES
 
     if torch_capability:
         sources.append("torch")
@@ -376,6 +512,7 @@ def build_info(cpuinfo_text: str, *, pycpuinfo: dict | None = None, torch_capabi
         arch=arch, vendor=vendor, model_name=model_name,
         physical_cores=max(1, p["physical"]), logical_cpus=max(1, p["logical"]),
         cache_sizes=cache_sizes, isa=frozenset(capped), isa_uncapped=frozenset(feats), isa_cap=normalize_isa_cap(cap),
+        flags=frozenset(flags),
         sve_vector_bits=sve_bits_capped, arm_core=arm_core, arm_cpu_part=part,
         torch_capability=torch_capability, family=p.get("family"), model=p.get("model"),
         disagreements=tuple(notes), sources=tuple(sources),
