@@ -127,6 +127,9 @@ class Graph:
             raise ValueError(f"layout must be 'strided' or 'any', got {layout!r}")
         shape = tuple(int(s) for s in shape)
         dnnl_dtype(dtype)  # validates
+        from .probe import require
+
+        require(dtype, "Graph.tensor")  # bf16/fp16 where oneDNN has no kernels: refuse, never abort
         return LogicalTensor(next(self._tid), shape, dtype,
                              None if layout == "any" else tuple(strides) if strides is not None else _contiguous_strides(shape),
                              layout, constant)

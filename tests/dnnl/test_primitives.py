@@ -9,16 +9,11 @@ from cpu_opt.dnnl import primitives as P
 from cpu_opt.errors import DnnlError
 
 from cpu_opt import hw
-
-
-def bf16_native() -> bool:
-    info = hw.detect()
-    return info.has("avx512_bf16") or info.has("amx_bf16")
+from cpu_opt.dnnl import probe
 
 
 def vnni() -> bool:
-    info = hw.detect()
-    return info.has("avx512_vnni") or info.has("avx_vnni") or info.has("amx_int8")
+    return hw.has_vnni(hw.detect())
 
 
 def rel(a, b):
@@ -92,18 +87,75 @@ def test_int8_scales_zero_point_relu():
     assert rel(y, ref) < 1e-5
 
 
-def test_bf16_matmul():
+def test_bf16_matmul_accepted_exactly_from_avx512_core():
+    """oneDNN 3.2 accepts bf16 from avx512_core up (emulated without AVX512_BF16) and answers
+    dnnl_unimplemented below it: both sides asserted, decided by the features after the cap."""
+    info = hw.detect()
     a, w = torch.randn(64, 256).bfloat16(), torch.randn(256, 96).bfloat16()
-    if not bf16_native():
-        # oneDNN 3.2 has no bf16 matmul below avx512_core: the binding must say so, not crash.
+    impl = probe.matmul_impl("bf16")
+    if not hw.has_avx512_core(info):
+        assert impl is None and not probe.accepts("bf16") and not probe.native("bf16")
         with pytest.raises(DnnlError, match="dnnl_unimplemented"):
-            P.Matmul(w)(a)
+            P.Matmul(w)(a)  # the binding says so, it does not crash
         return
+    assert impl is not None and probe.accepts("bf16")
     y = P.Matmul(w)(a)
     ref = (a.float() @ w.float())
     # both round the fp32 accumulation once to bf16: within one bf16 ulp (2^-8 relative)
     assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).all()
     assert rel(y, torch.matmul(a, w)) < 2 ** -7
+
+
+def test_bf16_native_kernels_exactly_where_the_cpu_has_bf16_math():
+    """The implementation string tells native from emulated bf16: native kernels
+    (avx512_core_bf16 / AMX) where the CPU has AVX512_BF16 or AMX-BF16 after the cap, and never
+    elsewhere (Ice Lake: gemm:jit:bf16, emulated; AVX2: none at all)."""
+    info = hw.detect()
+    impl = probe.matmul_impl("bf16")
+    assert probe.native("bf16") == hw.has_native_bf16(info), (impl, sorted(info.isa))
+    if impl is not None and not hw.has_native_bf16(info):
+        assert not any(tag in impl for tag in probe.NATIVE_BF16_IMPLS), impl
+
+
+def test_fp32_and_int8_matmuls_always_created_and_vnni_follows_the_features():
+    info = hw.detect()
+    assert probe.accepts("fp32") and probe.native("fp32")
+    assert probe.accepts("int8")
+    impl = probe.matmul_impl("int8")
+    if probe.native("int8"):
+        assert hw.has_vnni(info), (impl, sorted(info.isa))  # no VNNI kernel without the instructions
+    if "avx512_vnni" in info.isa and hw.has_avx512_core(info):
+        # seen on the Ice Lake: brg:avx512_core_vnni (shared/KNOWN.md). AVX-VNNI alone (avx2_vnni) is
+        # not asserted: whether oneDNN 3.2 has AVX-VNNI int8 matmuls was never checked on such a CPU.
+        assert probe.native("int8"), impl
+    if not hw.has_vnni(info):
+        assert not probe.native("int8"), impl
+
+
+def test_probe_rejects_unknown_dtype():
+    with pytest.raises(ValueError, match="fp8"):
+        probe.matmul_impl("fp8")
+
+
+def test_bf16_graph_refused_with_an_exception_where_onednn_would_abort():
+    """oneDNN 3.2's Graph API aborts the process (uncaught C++ dnnl::error) on bf16 eltwise work below
+    avx512_core; the binding refuses bf16 logical tensors there, and works where oneDNN takes bf16.
+    Run in a fresh process so an abort fails this test instead of killing the suite."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom cpu_opt.dnnl.graph import Graph\nfrom cpu_opt.errors import DnnlError\n"
+            "g = Graph()\ntry:\n    x = g.tensor((4, 8), torch.bfloat16)\nexcept DnnlError as e:\n"
+            "    print('REFUSED', e.status)\n    raise SystemExit(0)\n"
+            "y = g.tensor((4, 8), torch.bfloat16)\ng.op('ReLU', [x], [y])\n(p,) = g.partitions()\n"
+            "out = p.compile()([torch.tensor([[-1.0, 2.0] * 4] * 4).bfloat16()])[0]\n"
+            "print('RAN', out.float().min().item(), out.float().max().item())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])  # 134 would be the abort
+    if probe.accepts("bf16"):
+        assert "RAN 0.0 2.0" in r.stdout, r.stdout
+    else:
+        assert "REFUSED dnnl_unimplemented" in r.stdout, r.stdout
 
 
 def test_inner_product():
