@@ -1,9 +1,11 @@
 """Attention kernels that routing can choose instead of torch's fused SDPA.
 
-``bf16_matmul_softmax_attention``: on CPUs with avx512_bf16 but no AMX, torch's flash kernel
-gains nothing from bf16 while two bf16 matmuls around a softmax are about 2.7x faster (batch 1,
-12 heads, seq 512, dim 64; shared/KNOWN.md). Same signature as
-``aten.scaled_dot_product_attention`` (causal and additive/boolean masks).
+``matmul_softmax_attention``: two matmuls in the inputs' dtype around a float32 softmax, the score
+matrix materialised. ``bf16_matmul_softmax_attention`` is the same on bf16 inputs: on CPUs with
+avx512_bf16 but no AMX, torch's flash kernel gains nothing from bf16 while two bf16 matmuls around
+a softmax are about 2.7x faster (batch 1, 12 heads, seq 512, dim 64; shared/KNOWN.md). Which of
+these or torch's flash kernel runs is the attention route (the table, or a measured profile).
+Same signature as ``aten.scaled_dot_product_attention`` (causal and additive/boolean masks).
 """
 from __future__ import annotations
 
@@ -12,10 +14,9 @@ import math
 import torch
 
 
-def bf16_matmul_softmax_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                  enable_gqa=False):
+def matmul_softmax_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     if dropout_p:
-        raise ValueError("bf16_matmul_softmax_attention is for inference: dropout_p must be 0")
+        raise ValueError("matmul_softmax_attention is for inference: dropout_p must be 0")
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k = k.repeat_interleave(rep, dim=-3)
@@ -33,3 +34,9 @@ def bf16_matmul_softmax_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_cau
             s = s + attn_mask.float()
     p = torch.softmax(s, dim=-1).to(v.dtype)
     return torch.matmul(p, v)
+
+
+def bf16_matmul_softmax_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                  enable_gqa=False):
+    """:func:`matmul_softmax_attention` on bf16 inputs (the route's name for it)."""
+    return matmul_softmax_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -363,9 +363,9 @@ def lower(gm: torch.fx.GraphModule, dtype: str) -> LoweredGraph:
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr"):
             continue
-        chosen = n.meta.get("cpu_opt_route")
+        chosen = n.meta.get("cpu_opt_route")  # a linear layer's own route (passes.route_linears)
         if chosen is not None and chosen[0] != "onednn":
-            routed.append((n, chosen))  # passes.route_linears sent it to another backend
+            routed.append((n, chosen))  # sent to another backend
             _wildcard(ctx, n)
             continue
         if n.op == "output":
@@ -375,7 +375,7 @@ def lower(gm: torch.fx.GraphModule, dtype: str) -> LoweredGraph:
             continue
         fn = LOWERINGS.get(n.target) if n.op == "call_function" else None
         reason = None
-        work = WORK_OF.get(n.target)
+        work = WORK_OF.get(n.target) if chosen is None else None  # routed linear layers are decided
         if fn is not None and work is not None and routes[work].backend != "onednn":
             reason = f"routed to {routes[work].backend}: {routes[work].why}"
             fn = None

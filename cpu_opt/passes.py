@@ -237,9 +237,9 @@ def cast_params(gm: torch.fx.GraphModule, dtype: torch.dtype) -> list[str]:
 TORCH_LINEAR = torch.ops.mkldnn._linear_pointwise.default
 
 
-def _linear_operands(gm, n):
-    """``(x, weight node, weight tensor, weight is (K, N), bias node)`` if ``n`` is an fp32 GEMM on a
-    constant 2-D weight (``linear``, ``addmm`` with a 1-D constant bias, ``mm``), else ``None``."""
+def _linear_operands(gm, n, dtype: torch.dtype = torch.float32):
+    """``(x, weight node, weight tensor, weight is (K, N), bias node)`` if ``n`` is a ``dtype`` GEMM on
+    a constant 2-D weight (``linear``, ``addmm`` with a 1-D constant bias, ``mm``), else ``None``."""
     if n.op != "call_function":
         return None
     if n.target == aten.linear.default:
@@ -263,9 +263,9 @@ def _linear_operands(gm, n):
         wt, bt = _get_param(gm, w), _get_param(gm, b)
     except _NotFoldable:
         return None
-    if vx.dtype != torch.float32 or wt.dtype != torch.float32 or wt.dim() != 2 or vx.dim() < 2:
+    if vx.dtype != dtype or wt.dtype != dtype or wt.dim() != 2 or vx.dim() < 2:
         return None
-    if bt is not None and (bt.dim() != 1 or bt.dtype != torch.float32):
+    if bt is not None and (bt.dim() != 1 or bt.dtype != dtype):
         return None
     return x, w, wt, kn, b
 
@@ -301,39 +301,42 @@ def measure_linear(m: int, k: int, n: int, bias: bool, repeats: int = 7) -> dict
 
 
 def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -> list[str]:
-    """Send fp32 GEMMs on constant weights to torch's own oneDNN where the routing table (or, with
-    ``measure``, a timing of both on this shape) says it is faster than cpu_opt's oneDNN 3.2.
+    """Give every GEMM on constant weights its own route (``routing.route("linear", dtype,
+    rows=...)``: this machine's measured profile for the layer's row class, else the table), or,
+    with ``measure``, the faster of cpu_opt's oneDNN and torch's oneDNN timed on the layer's shape.
 
-    A rerouted node becomes ``mkldnn._linear_pointwise(x, W, b)`` with ``W`` an (N, K) buffer, and
-    records its route and reason in ``node.meta["cpu_opt_route"]``."""
+    Each layer records ``(backend, why)`` in ``node.meta["cpu_opt_route"]``: ``onednn`` stays for
+    lowering into oneDNN Graph partitions; ``torch_onednn`` becomes ``mkldnn._linear_pointwise(x, W,
+    b)`` with ``W`` an (N, K) buffer (fp32 only); ``torch`` stays the ATen op, run by torch."""
     from .platform import routing
 
-    if dtype != "fp32":
+    if dtype not in ("fp32", "bf16"):
         return []
-    r = routing.route("linear", dtype)
-    if r.backend not in ("torch_onednn", "onednn"):
-        return []
-    moved = kept = 0
+    moved = kept = in_torch = 0
     for n in list(gm.graph.nodes):
-        ops = _linear_operands(gm, n)
+        ops = _linear_operands(gm, n, torch.float32 if dtype == "fp32" else torch.bfloat16)
         if ops is None:
             continue
         x, w, wt, kn, b = ops
         w_nk = wt.t() if kn else wt
-        backend, why = r.backend, r.why
         vx = _val(x)
         rows = vx.numel() // max(vx.shape[-1], 1)
-        if backend == "torch_onednn" and rows < routing.LINEAR_TORCH_MIN_ROWS:
-            backend, why = "onednn", (f"{rows} row(s): a GEMV, where cpu_opt's oneDNN ties or wins "
-                                      "(routing.LINEAR_TORCH_MIN_ROWS)")
-        if measure and vx.numel() > 0:
+        r = routing.route("linear", dtype, rows=rows)
+        backend, why = r.backend, r.why
+        if measure and vx.numel() > 0 and dtype == "fp32":
             t = measure_linear(rows, w_nk.shape[1], w_nk.shape[0], b is not None)
             backend = min(t, key=t.get)
             why = (f"measured on this shape: cpu_opt oneDNN {t['onednn'] * 1e3:.3f} ms, "
                    f"torch's oneDNN {t['torch_onednn'] * 1e3:.3f} ms")
-        if backend != "torch_onednn":
+        if backend == "torch_onednn" and dtype != "fp32":
+            backend, why = "onednn", f"torch's oneDNN linear is wired for fp32 only; {why}"
+        if backend not in ("torch_onednn", "torch"):
             n.meta["cpu_opt_route"] = ("onednn", why)
             kept += 1
+            continue
+        if backend == "torch":
+            n.meta["cpu_opt_route"] = ("torch", why)
+            in_torch += 1
             continue
         w_node = _add_param(gm, w_nk, n, "linear_weight") if kn else w  # (K, N) weights: transposed once
         with gm.graph.inserting_before(n):
@@ -344,13 +347,15 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
         _replace(n, new)
         new._rename(name)  # the report names the layer as the captured graph did
         moved += 1
-    if not moved:
+    if not moved and not in_torch:
         return []
     gm.graph.eliminate_dead_code()
     _drop_unused_attrs(gm)
     gm.recompile()
-    how = "measured per shape" if measure else "routing table"
-    return [f"{moved} linear layer(s) on torch's oneDNN 3.12, {kept} on cpu_opt's oneDNN ({how})"]
+    how = "measured per shape" if measure else "routing"
+    parts = [f"{moved} linear layer(s) on torch's oneDNN 3.12"] if moved else []
+    parts += [f"{in_torch} in torch's own kernels"] if in_torch else []
+    return [", ".join(parts) + f", {kept} on cpu_opt's oneDNN ({how})"]
 
 
 DEFAULT_PASSES = (drop_dropout, remove_noops, fold_batchnorm, fold_constants)

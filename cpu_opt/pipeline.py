@@ -17,31 +17,13 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from . import passes
+from .progress import Progress
 from .platform import hw, routing
 from .capture import Captured, CaptureError, _propagate_shapes, capture, flatten_inputs
 from .errors import CpuOptError
 
 aten = torch.ops.aten
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class Progress:
-    """A one-line progress indicator on stderr (only when ``verbose`` or a terminal)."""
-
-    def __init__(self, enabled: bool, total: int, label: str):
-        self.enabled, self.total, self.label, self.i = enabled, total, label, 0
-        self.t0 = time.perf_counter()
-
-    def step(self, what: str):
-        self.i += 1
-        if self.enabled:
-            bar = "#" * self.i + "." * (self.total - self.i)
-            print(f"\r{self.label} [{bar}] {what:<28} {time.perf_counter() - self.t0:5.1f}s", end="",
-                  file=sys.stderr, flush=True)
-
-    def done(self):
-        if self.enabled:
-            print(file=sys.stderr, flush=True)
 
 
 def _resolve_dtype(dtype: str) -> str:
@@ -95,18 +77,45 @@ def _channels_last_inputs(gm: torch.fx.GraphModule) -> bool:
 
 
 def _route_attention(gm: torch.fx.GraphModule, dtype: str) -> list[str]:
+    """Attention ops go where the attention route says: torch's flash kernel (the SDPA node as it is)
+    or matmul -> softmax -> matmul in the graph's dtype (:mod:`cpu_opt.attention`)."""
     r = routing.route("attention", dtype)
-    if r.backend != "bf16_matmul_softmax":
+    if r.backend not in ("bf16_matmul_softmax", "matmul_softmax"):
         return []
-    from .attention import bf16_matmul_softmax_attention
+    from .attention import bf16_matmul_softmax_attention, matmul_softmax_attention
 
+    target = bf16_matmul_softmax_attention if r.backend == "bf16_matmul_softmax" else matmul_softmax_attention
     n_done = 0
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target == aten.scaled_dot_product_attention.default:
-            n.target = bf16_matmul_softmax_attention
+            if n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0):
+                continue  # dropout in attention: torch's kernel keeps its semantics
+            n.target = target
             n_done += 1
     gm.recompile()
-    return [f"{n_done} attention op(s) routed to bf16 matmul-softmax-matmul"] if n_done else []
+    return [f"{n_done} attention op(s) routed to {r.backend.replace('_', ' ')} ({r.why})"] if n_done else []
+
+
+def _why_not_onednn(dtype: str) -> str | None:
+    """Why the oneDNN Graph path is not used for ``dtype`` here, or ``None`` when it is: oneDNN has
+    no kernels for the dtype at the ISA it runs (the library is asked: bf16 below avx512_core would
+    abort inside oneDNN 3.2), or routing sends every GEMM and convolution of the dtype elsewhere."""
+    if dtype != "fp32":
+        from .dnnl import probe
+
+        try:
+            accepted = probe.accepts(dtype)
+        except Exception as e:  # noqa: BLE001 - no binding: reported by the caller's engine check
+            accepted, err = False, e
+        else:
+            err = None
+        if not accepted:
+            return (f"routing: {dtype} GEMM/conv work runs in torch on this CPU (oneDNN "
+                    f"{'is unavailable: ' + str(err) if err else 'creates no ' + dtype + ' matmul at this ISA'})")
+    rs = [routing.route(w, dtype) for w in ("gemm", "linear", "conv")]
+    if all(r.backend != "onednn" for r in rs):
+        return f"routing: {dtype} GEMM/conv work runs in torch on this CPU ({rs[0].why})"
+    return None
 
 
 class Plan:
@@ -134,7 +143,7 @@ def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbo
         log += passes.cast_params(gm, torch.bfloat16)
         _cast_inputs_outputs(gm, torch.bfloat16, out_dtypes)
         _propagate_shapes(gm, flat_in)
-        log += _route_attention(gm, dtype)
+    log += _route_attention(gm, dtype)
     cl = _channels_last_inputs(gm)
     if cl:
         log.append("convolution network: inputs and 4-D activations in channels-last")
@@ -144,12 +153,11 @@ def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbo
         log += passes.route_linears(gm, dtype, measure=measure)
     progress.step("shapes")
     lowered = None
-    r = routing.route("gemm", dtype)
-    if use_onednn and r.backend != "onednn":
-        # Do not hand oneDNN Graph work it has no kernels for on this ISA: for bf16 without
-        # avx512_core it aborts inside its C++ layer instead of returning a status.
-        log.append(f"routing: {dtype} GEMM/conv work runs in torch on this CPU ({r.why})")
-        use_onednn = False
+    if use_onednn:
+        why_not = _why_not_onednn(dtype)
+        if why_not:
+            log.append(why_not)
+            use_onednn = False
     if use_onednn:
         try:
             from . import dnnl

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import hw
+from .. import native
 
 WORK_KINDS = ("gemm", "linear", "conv", "attention", "gnn")
 # "gemm": any matmul the oneDNN graph takes; "linear": a GEMM against constant weights (nn.Linear, or
@@ -35,8 +36,11 @@ class Rule:
     arch: str = "x86_64"
     any_of: tuple = ()                     # at least one of these feature sets must be present
     none_of: frozenset = frozenset()       # none of these features may be present
+    max_rows: int | None = None            # linear: applies only to layers with at most this many rows
 
-    def applies(self, info: hw.CPUInfo) -> bool:
+    def applies(self, info: hw.CPUInfo, rows: int | None = None) -> bool:
+        if self.max_rows is not None and (rows is None or rows > self.max_rows):
+            return False
         if self.arch != "any" and info.arch != self.arch:
             return False
         if self.any_of and not any(set(req) <= info.isa for req in self.any_of):
@@ -44,72 +48,110 @@ class Rule:
         return not (self.none_of & info.isa)
 
 
-AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+AVX512 = hw.AVX512_CORE
+AVX2 = hw.AVX2_FMA
 BF16_HW = (frozenset({"avx512_bf16"}), frozenset({"amx_bf16"}))
 VNNI = (frozenset({"avx512_vnni"}), frozenset({"amx_int8"}), frozenset({"avx_vnni"}))
 
-ZEN5 = "measured on AMD Zen 5 (2 threads, shared/KNOWN.md)"
-HERE = "measured on this project's AMD Zen 3 (AVX2) machine, oneDNN 3.2 (bench/results/dnnl.json)"
+# Below this many activation rows a linear layer is a GEMV and its own table rule applies (see it).
+LINEAR_TORCH_MIN_ROWS = 4
+
+# Where each rule's figures come from. Rules name the CPU they were measured on; a rule for a CPU
+# no session had says so. Re-measure with `python -m cpu_opt calibrate` (whose profile then
+# overrides the rule on that machine) and update the citation.
+ZEN5 = "AMD Zen 5 (AVX-512, AVX512_BF16, VNNI), 2 threads, shared/KNOWN.md"
+ICX = "Intel Ice Lake-SP (AVX-512, VNNI, no AVX512_BF16), 2 threads, shared/KNOWN.md"
+ZEN3 = "AMD EPYC Zen 3 (family 25 model 1, AVX2 only), 2 threads, 3 calibrate runs, 2026-12-01"
+ZEN3_EARLIER = "the same Zen 3, November 2026, end-to-end A/B"
+UNMEASURED = "not measured on any machine this project ran on"
 
 RULES: tuple[Rule, ...] = (
-    # ---------------------------------------------------------------- GEMM
+    # ---------------------------------------------------------------- GEMM (two activations: attention's matmuls)
     Rule("gemm", "fp32", "onednn",
-         f"oneDNN 3.2 fp32 matmul with packed weights vs torch.matmul (MKL): 230 vs 108 GFLOP/s per core at 1024^3, "
-         f"2-5x on transformer shapes; {ZEN5}", any_of=(AVX512,)),
+         f"oneDNN 3.2 fp32 matmul vs torch.matmul (MKL): 230 vs 108 GFLOP/s per core at 1024^3, {ZEN5}; level on the "
+         f"Ice Lake (197 vs 207 GFLOP/s at 1024^3, {ICX}); fused Divide/Add/ReLU post-ops favour oneDNN Graph",
+         any_of=(AVX512,)),
     Rule("gemm", "fp32", "onednn",
-         f"on AVX2 oneDNN uses gemm:jit:f32; python -m bench dnnl compares it with torch.matmul side by side; {HERE}",
-         any_of=(frozenset({"avx2", "fma"}),)),
-    Rule("gemm", "fp32", "torch", "no AVX2: oneDNN has no tuned fp32 kernel; torch's reference paths are as good"),
+         f"bare batched (12, 128x64 @ 64x128) matmul: torch 0.256 ms vs oneDNN 3.2 gemm:jit:f32 0.28-0.30 ms, {ZEN3}; "
+         "kept on oneDNN for the scale/mask post-ops a oneDNN Graph partition fuses into it (a profile whose "
+         "bare-matmul winner is torch by more than 10% overrides this)", any_of=(AVX2,)),
+    Rule("gemm", "fp32", "torch", f"no AVX2: torch's kernels ({UNMEASURED}; oneDNN 3.2 has only SSE4.1 jit kernels there)"),
     Rule("gemm", "bf16", "onednn",
          f"oneDNN 3.2 bf16 matmul: about 486 GFLOP/s per core, 1.2-1.3x torch's bf16 path; {ZEN5}", any_of=BF16_HW),
     Rule("gemm", "bf16", "torch",
-         f"oneDNN 3.2 has no bf16 matmul without avx512_core (dnnl_unimplemented); {HERE}"),
+         f"no native bf16: oneDNN 3.2 emulates bf16 from avx512_core (gemm:jit:bf16, about 4x slower than its fp32, "
+         f"{ICX}) and refuses it below (dnnl_unimplemented; torch's bf16 matmul 13.8-15.6 ms for the 12x128x64x128 "
+         f"batch, {ZEN3})"),
     Rule("gemm", "int8", "onednn",
-         "u8 x s8 with VNNI: oneDNN avx512_core_vnni kernels, exact s32 accumulation (shared/KNOWN.md)", any_of=VNNI),
+         f"u8 x s8 with VNNI: brg:avx512_core_vnni, 504 GFLOP/s at 1024^3 = 2.3x the fp32 peak, {ICX}", any_of=VNNI),
     Rule("gemm", "int8", "fbgemm",
-         f"without VNNI oneDNN's u8 x s8 pairs saturate in int16 (wrong for 8-bit activations; exact only for 7-bit); "
-         f"FBGEMM with reduce_range is torch's x86 default; {HERE}", any_of=(frozenset({"avx2"}),)),
-    Rule("gemm", "int8", "torch", "no AVX2: torch's reference quantized kernels"),
+         "without VNNI every x86 int8 kernel adds u8 x s8 pairs in int16 and saturates 8-bit activations (7-bit ones "
+         f"are exact: FBGEMM with reduce_range, torch's x86 default); see the linear int8 rows, {ZEN3}", any_of=(AVX2,)),
+    Rule("gemm", "int8", "torch", f"no AVX2: torch's reference quantized kernels ({UNMEASURED})"),
     # ---------------------------------------------------------------- linear layers (constant weights)
-    Rule("linear", "fp32", "onednn", f"oneDNN 3.2's brgemm kernels need avx512_core; {ZEN5}", any_of=(AVX512,)),
+    Rule("linear", "fp32", "onednn",
+         f"oneDNN 3.2 brg:avx512_core with packed weights: 2-5x torch on transformer shapes, {ZEN5}; level with torch "
+         f"on the Ice Lake (128x768x3072: 175 vs 179 GFLOP/s, {ICX}); torch's oneDNN 3.12 never measured against it "
+         "on AVX-512 (run calibrate there)", any_of=(AVX512,)),
+    Rule("linear", "fp32", "onednn",
+         "a GEMV (1-3 rows): MLP 1024-4096-4096-1024-1000 at batch 1 took 8 ms with its GEMVs on cpu_opt's oneDNN "
+         f"3.2 and 11 ms on torch's oneDNN 3.12 ({ZEN3_EARLIER}); the 1x768x3072 micro case: torch's oneDNN "
+         f"0.54-0.63 ms, cpu_opt's 0.62-0.71, torch (MKL) 0.83-0.97 ({ZEN3})",
+         any_of=(AVX2,), max_rows=LINEAR_TORCH_MIN_ROWS - 1),
     Rule("linear", "fp32", "torch_onednn",
-         "pip oneDNN 3.2 has only gemm:jit:f32 on AVX2 while torch's oneDNN 3.12 has brg_matmul:avx2: "
-         "128x768x3072 took 10.4 ms vs 5.6 ms (2 threads, interleaved medians), other BERT shapes tie; end to end "
-         "BERT-base 1.21x and ViT-B/16 1.19x at batch 1 with every linear on torch's oneDNN (A/B in one process); "
-         "measured on this project's AMD Zen 3 (AVX2) machine", any_of=(frozenset({"avx2", "fma"}),)),
-    Rule("linear", "fp32", "torch", "no AVX2: torch's own kernels"),
+         "pip oneDNN 3.2 has only gemm:jit:f32 on AVX2, torch's oneDNN 3.12 has brg_matmul:avx2: 128x768x3072 "
+         f"torch's oneDNN 5.6-5.7 ms, torch (MKL) 6.9-8.8, cpu_opt's oneDNN 9.7-9.9; 2048x768x3072 70-79 / 81-100 / "
+         f"71-79 ms ({ZEN3}); end to end BERT-base 1.21x, ViT-B/16 1.19x at batch 1 ({ZEN3_EARLIER})",
+         any_of=(AVX2,)),
+    Rule("linear", "fp32", "torch", f"no AVX2: torch's own kernels ({UNMEASURED})"),
     Rule("linear", "bf16", "onednn", f"oneDNN 3.2 bf16 matmul with packed weights; {ZEN5}", any_of=BF16_HW),
-    Rule("linear", "bf16", "torch", f"no native bf16: emulated either way; {HERE}"),
-    Rule("linear", "int8", "onednn", "u8 x s8 with VNNI: oneDNN kernels (see gemm)", any_of=VNNI),
-    Rule("linear", "int8", "fbgemm", "without VNNI: FBGEMM with reduce_range (see gemm)", any_of=(frozenset({"avx2"}),)),
-    Rule("linear", "int8", "torch", "no AVX2: torch's reference quantized kernels"),
+    Rule("linear", "bf16", "torch",
+         f"no native bf16 math: emulated either way; torch's bf16 F.linear 128x768x3072 in 37-40 ms (fp32: 5.6), "
+         f"oneDNN 3.2 and torch's oneDNN refuse bf16 below avx512_core ({ZEN3})"),
+    Rule("linear", "int8", "onednn",
+         f"u8 x s8 with VNNI: brg:avx512_core_vnni, 220 GFLOP/s at 128x768x3072 vs 175 fp32, {ICX}", any_of=VNNI),
+    Rule("linear", "int8", "fbgemm",
+         "without VNNI (7-bit activations, all candidates exact): FBGEMM 0.19-0.21 ms vs 0.41-0.48 (both oneDNNs) at "
+         f"1x768x3072, 3.1-3.5 vs 3.1-3.6 at 128 rows; at 2048 rows both oneDNNs win (33-37 vs 38-43 ms; a "
+         f"profile takes that) ({ZEN3})", any_of=(AVX2,)),
+    Rule("linear", "int8", "torch", f"no AVX2: torch's reference quantized kernels ({UNMEASURED})"),
     # ---------------------------------------------------------------- convolution
     Rule("conv", "fp32", "onednn",
          "oneDNN NHWC convolution with packed weights and fused bias/sum/ReLU post-ops (one Graph partition, "
-         "3.5e-7 from a float64 reference; shared/KNOWN.md)", any_of=(frozenset({"avx2", "fma"}),)),
-    Rule("conv", "fp32", "torch", "no AVX2: oneDNN has no tuned fp32 convolution below AVX2"),
+         f"3.5e-7 from a float64 reference; shared/KNOWN.md); 1x64x56x56 3x3 + bias + ReLU: oneDNN 3.2 2.02-2.15 ms, "
+         f"torch 1.85-2.1 ({ZEN3})", any_of=(AVX2,)),
+    Rule("conv", "fp32", "torch", f"no AVX2: torch's convolution ({UNMEASURED})"),
     Rule("conv", "bf16", "onednn", f"oneDNN bf16 convolution needs avx512_bf16/AMX; {ZEN5}", any_of=BF16_HW),
-    Rule("conv", "bf16", "torch", f"oneDNN 3.2 has no bf16 convolution on this ISA; {HERE}"),
-    Rule("conv", "int8", "onednn", "oneDNN int8 convolution with VNNI", any_of=VNNI),
-    Rule("conv", "int8", "fbgemm", "no VNNI: FBGEMM (reduce_range) is torch's x86 default for int8 conv",
-         any_of=(frozenset({"avx2"}),)),
-    Rule("conv", "int8", "torch", "no AVX2: torch's reference quantized kernels"),
+    Rule("conv", "bf16", "torch",
+         f"no native bf16: oneDNN 3.2 refuses bf16 convolution below avx512_core; torch's bf16 3x3 conv 15.7-18.4 ms "
+         f"vs 1.9-2.1 fp32 ({ZEN3})"),
+    Rule("conv", "int8", "onednn", f"oneDNN int8 convolution with VNNI (brg_conv_fwd:avx512_core_vnni, {ICX})",
+         any_of=VNNI),
+    Rule("conv", "int8", "fbgemm",
+         "no VNNI: FBGEMM with reduce_range is torch's x86 default for int8 conv; torch's oneDNN qconv2d measured "
+         f"0.87-1.36 ms vs FBGEMM 0.97-1.44 on 1x64x56x56 3x3 (7-bit activations; a profile takes it) ({ZEN3})",
+         any_of=(AVX2,)),
+    Rule("conv", "int8", "torch", f"no AVX2: torch's reference quantized kernels ({UNMEASURED})"),
     # ---------------------------------------------------------------- attention
-    Rule("attention", "bf16", "torch_flash", "with AMX, torch's flash-attention kernel uses AMX tiles",
+    Rule("attention", "bf16", "torch_flash", f"with AMX, torch's flash-attention kernel uses AMX tiles ({UNMEASURED})",
          any_of=(frozenset({"amx_bf16"}),)),
     Rule("attention", "bf16", "bf16_matmul_softmax",
          f"without AMX torch's CPU flash kernel gains nothing from bf16, while bf16 matmul->softmax->matmul is about "
          f"2.7x faster (batch 1, 12 heads, seq 512, dim 64); {ZEN5}", any_of=(frozenset({"avx512_bf16"}),)),
-    Rule("attention", "bf16", "torch_flash", "no native bf16 dot products: bf16 matmuls would be emulated"),
+    Rule("attention", "bf16", "torch_flash",
+         f"no native bf16 dot products: flash 2.8-3.3 ms vs bf16 matmul-softmax-matmul 64-78 ms (1x12x256x64, {ZEN3})"),
     Rule("attention", "fp32", "torch_flash",
-         "torch's flash kernel is the default CPU SDPA and avoids materialising the score matrix"),
+         "torch's flash kernel avoids materialising the score matrix: 2.0-2.5 ms vs fp32 matmul-softmax-matmul "
+         f"2.8-3.4 ms (1x12x256x64, {ZEN3})"),
     # ---------------------------------------------------------------- GNN kernels
-    Rule("gnn", "fp32", "native_avx512", "cpu_opt's C kernels, AVX-512 variant", any_of=(AVX512,)),
-    Rule("gnn", "fp32", "native_avx2", "cpu_opt's C kernels, AVX2 variant", any_of=(frozenset({"avx2", "fma", "f16c"}),)),
+    Rule("gnn", "fp32", "native_avx512", "cpu_opt's C kernels, AVX-512 variant",
+         any_of=(native.VARIANT_REQUIRES["avx512"],)),
+    Rule("gnn", "fp32", "native_avx2", "cpu_opt's C kernels, AVX2 variant", any_of=(native.VARIANT_REQUIRES["avx2"],)),
     Rule("gnn", "fp32", "native_base", "cpu_opt's C kernels, baseline build"),
-    Rule("gnn", "bf16", "native_avx512", "bf16 features are widened to fp32 in registers", any_of=(AVX512,)),
+    Rule("gnn", "bf16", "native_avx512", "bf16 features are widened to fp32 in registers",
+         any_of=(native.VARIANT_REQUIRES["avx512"],)),
     Rule("gnn", "bf16", "native_avx2", "bf16 features are widened to fp32 in registers",
-         any_of=(frozenset({"avx2", "fma", "f16c"}),)),
+         any_of=(native.VARIANT_REQUIRES["avx2"],)),
     Rule("gnn", "bf16", "native_base", "baseline build"),
     # ---------------------------------------------------------------- aarch64 (no cpu_opt oneDNN binding there)
     *(Rule(w, "fp32", "acl", "Graviton: fp32 GEMM/conv on ACL through torch's oneDNN; bf16 fast-math when asked "
@@ -128,10 +170,6 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-# Below this many activation rows a linear layer is a GEMV: there cpu_opt's oneDNN 3.2 ties with or
-# beats torch's oneDNN on AVX2 (M=1, 768x3072: 0.48 vs 0.77 ms; 1024x4096 and 4096x4096 level), while
-# from M=4 torch's brgemm wins (1024x4096 1.33x, 4096x4096 1.58x); python -m bench dnnl shapes, 2 threads.
-LINEAR_TORCH_MIN_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -140,31 +178,66 @@ class Route:
     dtype: str
     backend: str
     why: str
+    source: str = "table"                  # "table" or "measured" (this machine's profile)
 
 
-def route(work: str, dtype: str, info: hw.CPUInfo | None = None) -> Route:
-    """The backend for ``work`` at ``dtype`` on this CPU (or on ``info``)."""
+def _check(work: str, dtype: str) -> None:
     if work not in WORK_KINDS:
         raise ValueError(f"unknown work kind {work!r}; expected one of {WORK_KINDS}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
+
+
+def table_route(work: str, dtype: str, info: hw.CPUInfo | None = None, *, rows: int | None = None) -> Route:
+    """The routing table's backend for ``work`` at ``dtype`` on this CPU (or on ``info``).
+    ``rows``: a linear layer's activation rows (GEMV rules apply to few rows only)."""
+    _check(work, dtype)
     info = info or hw.detect()
     for r in RULES:
-        if r.work == work and r.dtype == dtype and r.applies(info):
+        if r.work == work and r.dtype == dtype and r.applies(info, rows):
             return Route(work, dtype, r.backend, r.why)
     return Route(work, dtype, "torch", "no rule matched: PyTorch's own kernels")
 
 
+def route(work: str, dtype: str, info: hw.CPUInfo | None = None, *, rows: int | None = None) -> Route:
+    """The backend for ``work`` at ``dtype``: this machine's measured profile where it has the case
+    (``python -m cpu_opt calibrate``), else the table. With an explicit ``info`` (another CPU, a
+    fixture) the table alone answers: a profile describes only the machine it was measured on."""
+    _check(work, dtype)
+    if info is None:
+        from . import profile
+
+        case = profile.measured(work, dtype, rows)
+        if case is not None:
+            return Route(work, dtype, case.winner, f"measured here ({case.shape}): {case.figures()}", "measured")
+    return table_route(work, dtype, info, rows=rows)
+
+
 def routes(info: hw.CPUInfo | None = None) -> dict[str, dict[str, dict]]:
-    """Every route as ``{work: {dtype: {"backend": ..., "why": ...}}}``."""
+    """Every route as ``{work: {dtype: {"backend", "why", "source", "table": {...}, "measured": [...]}}}``:
+    the route in force, the table's rule, and the measured cases of this machine's profile (one per
+    shape class; empty without a profile or for another CPU's ``info``)."""
+    from . import profile
+
+    live = info is None
     info = info or hw.detect()
+    prof = profile.load() if live else None
     out: dict[str, dict[str, dict]] = {}
     for w in WORK_KINDS:
         for d in DTYPES:
             if w in ("attention", "gnn") and d == "int8":
                 continue
-            r = route(w, d, info)
-            out.setdefault(w, {})[d] = {"backend": r.backend, "why": r.why}
+            r = route(w, d, None if live else info)
+            t = table_route(w, d, info)
+            cases = [c for c in (prof.cases if prof else ()) if (c.work, c.dtype) == (w, d)]
+            out.setdefault(w, {})[d] = {
+                "backend": r.backend, "why": r.why, "source": r.source,
+                "table": {"backend": t.backend, "why": t.why},
+                "measured": [{"class": c.shape_class, "shape": c.shape, "winner": c.winner, "times_ms": c.times_ms,
+                              "excluded": c.excluded,
+                              "table": table_route(w, d, info, rows=profile.class_rows(w, c.shape_class)).backend}
+                             for c in cases],
+            }
     return out
 
 

@@ -1,0 +1,377 @@
+"""``python -m cpu_opt calibrate``: time the candidate backends of every routed kind of work on this
+machine and write the measured routing profile (:mod:`.profile`).
+
+Each case builds the candidates that can run here — cpu_opt's oneDNN 3.2 binding (weights packed
+once), torch's own oneDNN 3.12 through torch ops, torch's default kernel (MKL for fp32 GEMMs),
+FBGEMM for int8 — checks each one's answer against a float64 (or exact integer) reference on the
+same inputs, drops the ones that are refused or wrong (named in the profile with the reason), and
+times the rest interleaved in one process, medians of several rounds. The fastest right one wins.
+
+Shapes (full size; ``--quick`` shrinks them for tests):
+
+* linear (constant weights, BERT's FFN in): x (M, 768) @ W (768, 3072), M = 1 (GEMV), 128, 2048;
+  fp32, bf16, and int8 (u8 activations, per-channel s8 weights);
+* gemm (two activations, attention's QK^T): (12, 128, 64) @ (12, 64, 128), fp32 and bf16;
+* conv: 1 x 64 x 56 x 56, 64 filters 3x3, padding 1 (a ResNet stage), fp32 and bf16 with bias +
+  ReLU fused where the backend fuses them (oneDNN) and separate where it does not (torch); int8 bare;
+* attention: batch 1, 12 heads, sequence 256, head size 64, fp32 and bf16.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import hw, profile
+from .timing import measure
+
+
+@dataclass
+class Spec:
+    work: str
+    dtype: str
+    shape_class: str
+    dims: tuple
+    quick_dims: tuple
+
+
+FULL_LINEAR = {"gemv": (1, 768, 3072), "m128": (128, 768, 3072), "m2048": (2048, 768, 3072)}
+QUICK_LINEAR = {"gemv": (1, 64, 96), "m128": (16, 64, 96), "m2048": (64, 64, 96)}
+SPECS = (
+    *(Spec("linear", dt, cls, FULL_LINEAR[cls], QUICK_LINEAR[cls])
+      for dt in ("fp32", "bf16", "int8") for cls in ("gemv", "m128", "m2048")),
+    Spec("gemm", "fp32", profile.DEFAULT_CLASS, (12, 128, 64, 128), (2, 16, 8, 16)),
+    Spec("gemm", "bf16", profile.DEFAULT_CLASS, (12, 128, 64, 128), (2, 16, 8, 16)),
+    Spec("conv", "fp32", profile.DEFAULT_CLASS, (1, 64, 56, 56, 64, 3), (1, 8, 10, 10, 8, 3)),
+    Spec("conv", "bf16", profile.DEFAULT_CLASS, (1, 64, 56, 56, 64, 3), (1, 8, 10, 10, 8, 3)),
+    Spec("conv", "int8", profile.DEFAULT_CLASS, (1, 64, 56, 56, 64, 3), (1, 8, 10, 10, 8, 3)),
+    Spec("attention", "fp32", profile.DEFAULT_CLASS, (1, 12, 256, 64), (1, 2, 16, 8)),
+    Spec("attention", "bf16", profile.DEFAULT_CLASS, (1, 12, 256, 64), (1, 2, 16, 8)),
+)
+TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Relative error (max |diff| / max |ref|) a candidate may show against the float64 reference.
+TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}
+
+
+@dataclass
+class Built:
+    """A case's candidates: ``fns`` to time, ``excluded`` backend -> reason."""
+    shape: str
+    fns: dict = field(default_factory=dict)
+    excluded: dict = field(default_factory=dict)
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+
+
+def _admit(built: Built, name: str, make: Callable[[], Callable[[], torch.Tensor]], check: Callable[[torch.Tensor], str | None]):
+    """Build candidate ``name``, run it once and check its answer; keep it or say why not."""
+    try:
+        fn = make()
+        err = check(fn())
+    except Exception as e:  # noqa: BLE001 - a backend that refuses the case is not a candidate
+        msg = str(e).splitlines()[0] if str(e) else ""
+        built.excluded[name] = f"refused: {type(e).__name__}: {msg[:160]}"
+        return
+    if err:
+        built.excluded[name] = f"wrong answer: {err}"
+    else:
+        built.fns[name] = fn
+
+
+def _float_check(ref: torch.Tensor, dtype: str):
+    def check(y):
+        r = _rel(y, ref)
+        return None if r <= TOLERANCE[dtype] else f"relative error {r:.2e} > {TOLERANCE[dtype]:g}"
+    return check
+
+
+# ----------------------------------------------------------------------------- the cases
+
+def _linear(dtype: str, dims) -> Built:
+    m, k, n = dims
+    dt = TORCH_DTYPE[dtype]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(dt)
+    w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(dt)
+    b = torch.randn(n, generator=g).to(dt)
+    ref = x.double() @ w.double().t() + b.double()
+    out = Built(f"{m}x{k}x{n}")
+    check = _float_check(ref, dtype)
+
+    def ours():
+        from ..dnnl.primitives import Matmul
+
+        mm = Matmul.from_linear(w, b)
+        return lambda: mm(x)
+
+    _admit(out, "onednn", ours, check)
+    _admit(out, "torch_onednn", lambda: (lambda: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")), check)
+    _admit(out, "torch", lambda: (lambda: F.linear(x, w, b)), check)
+    return out
+
+
+@contextlib.contextmanager
+def _quantized_engine(name: str):
+    old = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = old
+
+
+def _int8_inputs(shape, generator):
+    """u8 activations over the range int8 kernels take exactly here: 8 bits with VNNI, 7 bits
+    without (x86 kernels without VNNI add u8 x s8 pairs in int16 and saturate; torch's x86 qconfig
+    uses reduce_range for that reason)."""
+    hi = 256 if hw.has_vnni(hw.detect()) else 128
+    return torch.randint(0, hi, shape, dtype=torch.uint8, generator=generator), hi
+
+
+def _linear_int8(dims) -> Built:
+    m, k, n = dims
+    g = torch.Generator().manual_seed(0)
+    x, hi = _int8_inputs((m, k), g)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    xs, xz = 1.0 / hi, hi // 2
+    ws = torch.rand(n, generator=g) * 0.01 + 0.001
+    ref = ((x.double() - xz) * xs) @ (w.double() * ws.double()[:, None]).t()
+    out = Built(f"{m}x{k}x{n} ({8 if hi == 256 else 7}-bit activations)")
+    check = _float_check(ref, "fp32")
+
+    def ours():
+        from ..dnnl.primitives import Matmul
+
+        mm = Matmul(w.t().contiguous(), src_scale=xs, weight_scales=ws, src_zero_point=xz)
+        return lambda: mm(x)
+
+    def theirs():
+        packed = torch.ops.onednn.qlinear_prepack(w, [m, k])
+        wz = torch.zeros(n, dtype=torch.int64)
+        return lambda: torch.ops.onednn.qlinear_pointwise(x, xs, xz, packed, ws, wz, None, 1.0, 0, torch.float32,
+                                                           "none", [], "")
+
+    out_scale = float(ref.abs().max()) * 2 / 255 or 1.0
+
+    def fbgemm():
+        with _quantized_engine("fbgemm"):
+            qw = torch._make_per_channel_quantized_tensor(w, ws.double(), torch.zeros(n, dtype=torch.int64), 0)
+            packed = torch.ops.quantized.linear_prepack(qw, None)
+        qx = torch._make_per_tensor_quantized_tensor(x, xs, xz)
+        return lambda: torch.ops.quantized.linear(qx, packed, out_scale, 128)
+
+    def within_a_step(y):  # u8 output: exact accumulation is within half a step, plus rounding
+        err = ((y.dequantize().double() - ref).abs().max() / out_scale).item()
+        return None if err <= 1.0 else f"{err:.1f} output steps off"
+
+    _admit(out, "onednn", ours, check)
+    _admit(out, "torch_onednn", theirs, check)
+    _admit(out, "fbgemm", fbgemm, within_a_step)
+    return out
+
+
+def _gemm(dtype: str, dims) -> Built:
+    bsz, m, k, n = dims
+    dt = TORCH_DTYPE[dtype]
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(bsz, m, k, generator=g).to(dt), torch.randn(bsz, k, n, generator=g).to(dt)
+    ref = a.double() @ b.double()
+    out = Built(f"{bsz}x({m}x{k} @ {k}x{n})")
+
+    def ours():
+        from ..dnnl.primitives import matmul
+
+        return lambda: matmul(a, b)
+
+    check = _float_check(ref, dtype)
+    _admit(out, "onednn", ours, check)
+    _admit(out, "torch", lambda: (lambda: torch.matmul(a, b)), check)
+    return out
+
+
+def _conv(dtype: str, dims) -> Built:
+    n, c, h, w_, o, ks = dims
+    dt = TORCH_DTYPE[dtype]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, c, h, w_, generator=g).to(dt).contiguous(memory_format=torch.channels_last)
+    wt = (torch.randn(o, c, ks, ks, generator=g) / math.sqrt(c * ks * ks)).to(dt)
+    b = torch.randn(o, generator=g).to(dt)
+    ref = F.conv2d(x.double(), wt.double(), b.double(), padding=ks // 2)
+    out = Built(f"{n}x{c}x{h}x{w_} -> {o}, {ks}x{ks}")
+
+    ref = ref.relu()
+
+    def ours():  # as a oneDNN Graph partition runs it: bias and ReLU fused into the convolution
+        from ..dnnl.primitives import Conv2d
+
+        conv = Conv2d(wt, b, padding=ks // 2, post_ops=["relu"])
+        return lambda: conv(x)
+
+    check = _float_check(ref, dtype)
+    _admit(out, "onednn", ours, check)
+    _admit(out, "torch", lambda: (lambda: F.relu_(F.conv2d(x, wt, b, padding=ks // 2))), check)
+    return out
+
+
+def _conv_int8(dims) -> Built:
+    n, c, h, w_, o, ks = dims
+    g = torch.Generator().manual_seed(0)
+    x, hi = _int8_inputs((n, c, h, w_), g)
+    x = x.contiguous(memory_format=torch.channels_last)
+    wt = torch.randint(-127, 128, (o, c, ks, ks), dtype=torch.int8, generator=g)
+    xs, xz = 1.0 / hi, hi // 2
+    ws = torch.rand(o, generator=g) * 0.01 + 0.001
+    wz = torch.zeros(o, dtype=torch.int64)
+    pad, one = [ks // 2] * 2, [1, 1]
+    ref = F.conv2d((x.double() - xz) * xs, wt.double() * ws.double()[:, None, None, None], padding=ks // 2)
+    out = Built(f"{n}x{c}x{h}x{w_} -> {o}, {ks}x{ks} ({8 if hi == 256 else 7}-bit activations)")
+    out_scale = float(ref.abs().max()) * 2 / 255 or 1.0
+
+    def theirs():
+        packed = torch.ops.onednn.qconv_prepack(wt, ws, xs, xz, one, pad, one, 1, list(x.shape))
+        return lambda: torch.ops.onednn.qconv2d_pointwise(x, xs, xz, packed, ws, wz, None, one, pad, one, 1,
+                                                           1.0, 0, torch.float32, "none", [], "")
+
+    def fbgemm():
+        with _quantized_engine("fbgemm"):
+            qw = torch._make_per_channel_quantized_tensor(wt, ws.double(), wz, 0)
+            packed = torch.ops.quantized.conv2d_prepack(qw, None, one, pad, one, 1)
+        qx = torch._make_per_tensor_quantized_tensor(x, xs, xz)
+        return lambda: torch.ops.quantized.conv2d(qx, packed, out_scale, 128)
+
+    def within_a_step(y):
+        err = ((y.dequantize().double() - ref).abs().max() / out_scale).item()
+        return None if err <= 1.0 else f"{err:.1f} output steps off"
+
+    _admit(out, "torch_onednn", theirs, _float_check(ref, "fp32"))
+    _admit(out, "fbgemm", fbgemm, within_a_step)
+    return out
+
+
+def _attention(dtype: str, dims) -> Built:
+    from ..attention import matmul_softmax_attention
+
+    bsz, heads, seq, d = dims
+    dt = TORCH_DTYPE[dtype]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(bsz, heads, seq, d, generator=g).to(dt) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    out = Built(f"{bsz}x{heads} heads x seq {seq} x {d}")
+    check = _float_check(ref, dtype)
+    _admit(out, "torch_flash", lambda: (lambda: F.scaled_dot_product_attention(q, k, v)), check)
+    name = "bf16_matmul_softmax" if dtype == "bf16" else "matmul_softmax"
+    _admit(out, name, lambda: (lambda: matmul_softmax_attention(q, k, v)), check)
+    return out
+
+
+def build(spec: Spec, quick: bool) -> Built:
+    dims = spec.quick_dims if quick else spec.dims
+    if spec.work == "linear":
+        return _linear_int8(dims) if spec.dtype == "int8" else _linear(spec.dtype, dims)
+    if spec.work == "gemm":
+        return _gemm(spec.dtype, dims)
+    if spec.work == "conv":
+        return _conv_int8(dims) if spec.dtype == "int8" else _conv(spec.dtype, dims)
+    if spec.work == "attention":
+        return _attention(spec.dtype, dims)
+    raise ValueError(f"no calibration case for work {spec.work!r}")
+
+
+# ----------------------------------------------------------------------------- the run
+
+def _repeats(fns: dict, budget_s: float, quick: bool) -> int:
+    """Rounds that fit the case's time budget (3 to 60): one timed call of each gives the cost.
+    Sub-millisecond calls get many rounds: their medians move most with the machine's noise."""
+    if quick:
+        return 3
+    t0 = time.perf_counter()
+    for f in fns.values():
+        f()
+    per_round = max(time.perf_counter() - t0, 1e-6)
+    return int(min(60, max(3, budget_s / per_round)))
+
+
+# The table's backend keeps the case unless another is faster by more than this: on the shared
+# 2-vCPU machines here the same pair of kernels swapped places by up to 8% between calibrate runs,
+# and a route flipped on noise moves work for nothing.
+MARGIN = 0.10
+
+
+def _winner(spec: Spec, times: dict) -> str:
+    from . import routing
+
+    fastest = min(times, key=times.get)
+    table = routing.table_route(spec.work, spec.dtype, rows=profile.class_rows(spec.work, spec.shape_class)).backend
+    if table in times and times[table] <= times[fastest] * (1 + MARGIN):
+        return table
+    return fastest
+
+
+def calibrate(*, quick: bool = False, budget_s: float = 3.0, progress: bool = True, write: bool = True,
+              specs=SPECS) -> profile.Profile:
+    """Measure every case in ``specs`` and (``write``) save the profile for this machine."""
+    from ..progress import Progress
+
+    if hw.detect().arch != "x86_64":
+        raise RuntimeError("calibrate measures x86-64 backends (cpu_opt's oneDNN binding, FBGEMM); on aarch64 "
+                           "routing follows the table (see cpu_opt.graviton for the Arm tuning knobs)")
+    t_start = time.perf_counter()
+    bar = Progress(progress, len(specs), "cpu_opt calibrate")
+    cases = []
+    for spec in specs:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's deprecation notes on quantized tensors
+            built = build(spec, quick)
+        times: dict = {}
+        if built.fns:
+            stats = measure(built.fns, warmup=1, repeats=_repeats(built.fns, budget_s, quick))
+            times = {name: round(s.median * 1e3, 4) for name, s in stats.items()}
+        if times:
+            cases.append(profile.Case(spec.work, spec.dtype, spec.shape_class, built.shape, times, built.excluded,
+                                      _winner(spec, times)))
+        bar.step(f"{spec.work} {spec.dtype} {spec.shape_class}")
+    bar.done()
+    key = profile.current_key()
+    prof = profile.Profile(key=key, cases=tuple(cases),
+                           created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                           seconds=round(time.perf_counter() - t_start, 2), path=str(profile.path_for(key)))
+    if write:
+        profile.save(prof)
+    return prof
+
+
+def table(prof: profile.Profile) -> list[dict]:
+    """One row per case: the table's route beside the measured winner, and every candidate's time."""
+    from . import routing
+
+    rows = []
+    for c in prof.cases:
+        t = routing.table_route(c.work, c.dtype, rows=profile.class_rows(c.work, c.shape_class))
+        rows.append({"work": c.work, "dtype": c.dtype, "class": c.shape_class, "shape": c.shape,
+                     "table": t.backend, "measured": c.winner, "agree": t.backend == c.winner,
+                     "times_ms": dict(c.times_ms), "excluded": dict(c.excluded)})
+    return rows
+
+
+def print_table(prof: profile.Profile, written: bool = True) -> None:
+    rows = table(prof)
+    print(f"routing profile for {hw.detect().label}, {prof.key['threads']} threads, torch {prof.key['torch']}, "
+          f"oneDNN {prof.key['onednn']} — measured in {prof.seconds:.1f} s")
+    print(f"  {'work':<9} {'dtype':<5} {'class':<7} {'table':<19} {'measured':<19} figures (median ms)")
+    for r in rows:
+        figs = ", ".join(f"{b} {t:.3g}" for b, t in sorted(r["times_ms"].items(), key=lambda kv: kv[1]))
+        mark = "" if r["agree"] else "  <- the profile overrides the table"
+        print(f"  {r['work']:<9} {r['dtype']:<5} {r['class']:<7} {r['table']:<19} {r['measured']:<19} {figs}{mark}")
+        for b, why in r["excluded"].items():
+            print(f"  {'':<43}not a candidate: {b}: {why}")
+    if written:
+        print(f"written to {prof.path}")
