@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.cpu_opt-installed
 # Anything that changes what `pip install -e .` builds (the native kernels, the oneDNN cdef).
 BUILD_INPUTS := pyproject.toml setup.py cpu_opt/dnnl/cdefgen.py $(wildcard native/*.py native/*.c native/*.h native/kernels/*)
 
-.PHONY: setup demo test test-fast test-arm64 bench info clean
+.PHONY: setup demo test test-fast test-arm64 bench info calibrate clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,14 @@ info: setup
 # tests/graviton/arm64 are aarch64-only: on other machines `make test-arm64` runs them under QEMU.
 ARM64_ONLY := $(if $(filter aarch64 arm64,$(shell uname -m)),,--ignore=tests/graviton/arm64)
 
+# The whole suite once as the machine is, then the ISA-sensitive tests (marker `isa`) once more under
+# each ISA cap below this CPU's own level (tests/run_capped.py; CAPS="sse41 avx2" picks, CAPS=none skips).
 test: setup
 	$(PY) -m pytest -q tests $(ARM64_ONLY)
+	$(PY) tests/run_capped.py $(ARM64_ONLY)
+
+calibrate: setup
+	$(PY) -m cpu_opt calibrate
 
 bench: setup
 	$(PY) -m bench

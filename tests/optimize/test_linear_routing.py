@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import cpu_opt
+import optimize_testutil
 from cpu_opt import hw, passes, routing
 from cpu_opt.capture import capture
 
@@ -69,8 +70,6 @@ def test_new_shape_and_bigger_batch_after_routing():
 
 @pytest.mark.parametrize("winner", ["onednn", "torch_onednn"])
 def test_measured_route_takes_the_faster(monkeypatch, winner):
-    if _table_route() not in ("onednn", "torch_onednn"):
-        pytest.skip("no oneDNN route for linear layers on this CPU: nothing to choose between")
     loser = "onednn" if winner == "torch_onednn" else "torch_onednn"
     seen = []
 
@@ -126,17 +125,29 @@ def test_zen5_capped_to_avx2_moves_linears_to_torch_onednn():
     assert routing.route("linear", "fp32", info).backend == "torch_onednn"
 
 
-def test_gemv_rows_stay_on_cpu_opt_onednn():
-    if _table_route() != "torch_onednn":
-        pytest.skip("the table keeps every linear layer on cpu_opt's oneDNN on this CPU")
+def test_each_plan_routes_its_layers_for_its_own_row_count():
+    """A GEMV (1 row) and a 4-row batch of the same model take the table's route for their row
+    count (on AVX2: cpu_opt's oneDNN for the GEMV, torch's oneDNN from 4 rows), each plan its own."""
     m = nn.Sequential(nn.Linear(24, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
-    one = cpu_opt.optimize(m, torch.randn(1, 24), dtype="fp32")
-    assert not one.report()["routed"]  # M=1: GEMV
     x = torch.randn(routing.LINEAR_TORCH_MIN_ROWS, 24)
-    many = cpu_opt.optimize(m, x, dtype="fp32")
-    assert len(many.report()["routed"]) == 2
-    # one module, both shapes: each plan routes for its own row count
+    one = cpu_opt.optimize(m, torch.randn(1, 24), dtype="fp32")
     assert _rel(one(x), m(x).detach()) < 1e-5 and _rel(one(torch.ones(1, 24)), m(torch.ones(1, 24)).detach()) < 1e-5
     assert len(one._plans) == 2
-    new_plan = [p for s, p in one._plans.items() if s[0][0][0] == routing.LINEAR_TORCH_MIN_ROWS][0]
-    assert len(new_plan.lowered.routed) == 2
+    for rows, plan in ((s[0][0][0], p) for s, p in one._plans.items()):
+        want = routing.route("linear", "fp32", rows=rows).backend
+        if plan.lowered is None:  # routing kept the whole graph in torch
+            assert not optimize_testutil.onednn_graph_used()
+            continue
+        chosen = [n.meta["cpu_opt_route"][0] for n in plan.lowered.ctx.gm.graph.nodes if "cpu_opt_route" in n.meta]
+        assert chosen == [want, want], (rows, chosen)
+        assert len(plan.lowered.routed) == (2 if want != "onednn" else 0)
+
+
+def test_table_gives_gemvs_their_own_rule_on_avx2():
+    z3 = hw.build_info((FIX / "amd_zen3.txt").read_text())
+    assert routing.route("linear", "fp32", z3, rows=1).backend == "onednn"
+    assert routing.route("linear", "fp32", z3, rows=routing.LINEAR_TORCH_MIN_ROWS - 1).backend == "onednn"
+    assert routing.route("linear", "fp32", z3, rows=routing.LINEAR_TORCH_MIN_ROWS).backend == "torch_onednn"
+    assert routing.route("linear", "fp32", z3).backend == "torch_onednn"  # no rows: the many-row rule
+    z5 = hw.build_info((FIX / "amd_zen5.txt").read_text())
+    assert routing.route("linear", "fp32", z5, rows=1).backend == "onednn"

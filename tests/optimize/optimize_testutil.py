@@ -1,0 +1,18 @@
+"""Helpers for tests/optimize (imported by name: conftest.py puts this folder on sys.path)."""
+from cpu_opt import pipeline, routing
+
+
+def onednn_graph_used(dtype: str = "fp32") -> bool:
+    """Does optimize hand ``dtype`` graphs to oneDNN here (the library takes the dtype at this ISA and
+    routing sends some GEMM/conv work of it to oneDNN)?"""
+    return pipeline._why_not_onednn(dtype) is None
+
+
+def conv_on_onednn(dtype: str = "fp32") -> bool:
+    return onednn_graph_used(dtype) and routing.route("conv", dtype).backend == "onednn"
+
+
+def assert_whole_graph_in_torch(rep: dict) -> None:
+    """The report of a model optimize kept in torch because of routing: no partitions, and says why."""
+    assert rep["num_partitions"] == 0 and not rep["partitions"]
+    assert any("runs in torch on this CPU" in p for p in rep["passes"]), rep["passes"]
