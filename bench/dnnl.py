@@ -1,10 +1,13 @@
-"""python -m bench dnnl: cpu_opt's oneDNN matmul (fp32, bf16, int8) against torch.matmul.
+"""python -m bench dnnl: cpu_opt's oneDNN 3.2 matmul (fp32, bf16, int8) against torch.matmul and
+against the oneDNN 3.12 inside torch (``torch_onednn``: ``mkldnn._linear_pointwise``, and
+``onednn::qlinear_pointwise`` for int8).
 
 Sizes: 1024^3 and the transformer-shaped 128x768x3072. cpu_opt's Matmul packs the weights once
 (format ``any`` + one reorder); torch gets the same tensors. int8 is u8 x s8 -> s32 against
-torch's int32 matmul of the same integers (the exact reference), and, where the CPU lacks VNNI,
-with 7-bit activations (oneDNN's non-VNNI kernels saturate 8-bit u8 x s8 pairs in int16).
-Reports GFLOP/s beside the machine's GEMM peak measured in the same run.
+torch's int32 matmul of the same integers (the exact reference; torch's oneDNN gives fp32 with unit
+scales), and, where the CPU lacks VNNI, with 7-bit activations (x86 kernels without VNNI saturate
+8-bit u8 x s8 pairs in int16). Reports GFLOP/s beside the machine's GEMM peak measured in the same
+run; the table's header names the CPU.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch
 from cpu_opt import hw
 from cpu_opt.dnnl import primitives as P
 
-from .runner import Report, machine_peaks, measure
+from .runner import RESULTS_DIR, Report, machine_peaks, machine_slug, measure
 
 SIZES = [(1024, 1024, 1024), (128, 768, 3072)]
 
@@ -28,6 +31,12 @@ def _case(rep, M, K, N, dtype_name, repeats):
         dt = torch.float32 if dtype_name == "fp32" else torch.bfloat16
         a, w = torch.randn(M, K).to(dt), torch.randn(K, N).to(dt)
         fns = {"torch": lambda: torch.matmul(a, w)}
+        w_nk = w.t().contiguous()
+        try:
+            torch.ops.mkldnn._linear_pointwise(a, w_nk, None, "none", [], "")
+            fns["torch_onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, w_nk, None, "none", [], "")
+        except RuntimeError as e:
+            row["torch_onednn_error"] = str(e).splitlines()[0][:60]
         try:
             mm = P.Matmul(w)
             mm(a)
@@ -37,7 +46,7 @@ def _case(rep, M, K, N, dtype_name, repeats):
             status = getattr(e, "status", None)
             row["cpu_opt_error"] = status or f"{type(e).__name__}: {e}"
     else:
-        vnni = hw.detect().has("avx512_vnni") or hw.detect().has("avx_vnni") or hw.detect().has("amx_int8")
+        vnni = hw.has_vnni(hw.detect())
         hi = 256 if vnni else 128
         if not vnni:
             repeats = max(3, repeats // 3)  # torch's int32 matmul has no BLAS: slow reference
@@ -49,6 +58,10 @@ def _case(rep, M, K, N, dtype_name, repeats):
         row["impl"] = mm.impl(M) + ("" if vnni else " (7-bit src: no VNNI)")
         row["exact"] = bool(torch.equal(mm(a), ai @ wi))
         fns = {"torch": lambda: torch.matmul(ai, wi), "cpu_opt": lambda: mm(a)}
+        packed = torch.ops.onednn.qlinear_prepack(w.t().contiguous(), [M, K])
+        ones, zeros = torch.ones(N), torch.zeros(N, dtype=torch.int64)
+        fns["torch_onednn"] = lambda: torch.ops.onednn.qlinear_pointwise(a, 1.0, 0, packed, ones, zeros, None, 1.0, 0,
+                                                                          torch.float32, "none", [], "")
     if dtype_name == "bf16" and "cpu_opt" not in fns:
         repeats = 3  # torch's bf16 matmul without native bf16 is emulated and slow
     st = measure(fns, warmup=1, repeats=repeats)
@@ -57,6 +70,8 @@ def _case(rep, M, K, N, dtype_name, repeats):
         row[f"{name}_gflops"] = flops / s.median / 1e9
     if "cpu_opt" in st:
         row["speedup"] = st["torch"].median / st["cpu_opt"].median
+        if "torch_onednn" in st:
+            row["vs_torch_onednn"] = st["torch_onednn"].median / st["cpu_opt"].median
     rep.add(**row)
 
 
@@ -70,10 +85,11 @@ def main(quick: bool = False, argv=None) -> None:
     for M, K, N in SIZES:
         for d in ("fp32", "bf16", "int8"):
             _case(rep, M, K, N, d, args.repeats)
-    rep.print_table(["shape", "dtype", "torch_ms", "cpu_opt_ms", "torch_gflops", "cpu_opt_gflops", "speedup",
-                     "impl", "exact", "cpu_opt_error"])
+    rep.print_table(["shape", "dtype", "torch_ms", "torch_onednn_ms", "cpu_opt_ms", "torch_gflops",
+                     "torch_onednn_gflops", "cpu_opt_gflops", "speedup", "vs_torch_onednn", "impl", "exact",
+                     "cpu_opt_error", "torch_onednn_error"])
     print(f"machine peaks measured in this run: {peaks}")
-    rep.save()
+    rep.save(RESULTS_DIR / f"dnnl_{machine_slug()}.json")  # one file per CPU: the tables of other machines stay
 
 
 if __name__ == "__main__":

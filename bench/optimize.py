@@ -187,9 +187,6 @@ _FLAGS: set[str] = set()
 
 # ----------------------------------------------------------------------------- the run
 
-NATIVE_BF16_ISA = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 AVX512_BF16 / AMX, Arm BF16
-
-
 def measure_peaks(quick: bool) -> dict:
     """runner.machine_peaks, except that on a CPU without native bf16 math the bf16 GEMM peak is
     measured at 256^3: emulated bf16 runs at about 1 GFLOP/s on Zen 3, so 2048^3 takes minutes
@@ -197,7 +194,7 @@ def measure_peaks(quick: bool) -> dict:
     from cpu_opt import hw
 
     n = 1024 if quick else 2048
-    native = bool(NATIVE_BF16_ISA & set(hw.detect().isa))
+    native = hw.has_native_bf16(hw.detect())
     peaks = machine_peaks(dtypes=("fp32", "bf16") if native else ("fp32",), gemm_n=n)
     if not native:
         peaks["gemm_bf16_gflops"] = round(gemm_peak_gflops("bf16", n=256, repeats=3), 1)

@@ -27,6 +27,18 @@ from cpu_opt.platform.timing import Stats, measure  # noqa: F401
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def machine_slug() -> str:
+    """A short file-name tag for this CPU ("zen_3", "ice_lake_sp", else vendor-family-model), so
+    results of different machines sit side by side instead of overwriting each other."""
+    import re
+
+    from cpu_opt import hw
+
+    info = hw.detect()
+    name = info.microarchitecture or f"{info.vendor}-{info.family}-{info.model}"
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
 def threads() -> int:
     import torch
 
@@ -45,6 +57,11 @@ def environment() -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpu": info.model_name,
+        "cpu_label": info.label,
+        "vendor": info.vendor,
+        "family": info.family,
+        "model": info.model,
+        "microarchitecture": info.microarchitecture,
         "isa": sorted(info.isa),
         "isa_cap": info.isa_cap,
         "machine": platform.machine(),
@@ -55,6 +72,10 @@ def environment() -> dict:
         env["onednn"] = dnnl.version()
     except Exception as e:  # no binding on this machine
         env["onednn"] = f"unavailable ({type(e).__name__})"
+    from cpu_opt.platform import profile
+
+    prof = profile.load()
+    env["routing_profile"] = prof.path if prof else None  # a measured profile changes routes: say which
     return env
 
 
@@ -97,7 +118,7 @@ def machine_peaks(dtypes=("fp32", "bf16"), gemm_n: int = 2048) -> dict:
     peak is measured at 256^3: emulated bf16 runs near 1 GFLOP/s, so 2048^3 takes minutes."""
     from cpu_opt import hw
 
-    native_bf16 = bool({"avx512_bf16", "amx_bf16", "bf16"} & set(hw.detect().isa))
+    native_bf16 = hw.has_native_bf16(hw.detect())
     out = {}
     for d in dtypes:
         n = gemm_n if d != "bf16" or native_bf16 else 256
@@ -134,7 +155,8 @@ class Report:
         cells = [[fmt(r.get(c)) for c in cols] for r in self.rows]
         widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
         lines = [f"# {self.name} — threads={self.meta['threads']}, torch {self.meta['torch']}, "
-                 f"oneDNN {self.meta.get('onednn')}, CPU {self.meta['cpu']}"]
+                 f"oneDNN {self.meta.get('onednn')}, CPU {self.meta.get('cpu_label', self.meta['cpu'])}"
+                 + (f", routing profile {self.meta['routing_profile']}" if self.meta.get("routing_profile") else "")]
         lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
         lines.append("  ".join("-" * w for w in widths))
         lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]

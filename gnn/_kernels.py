@@ -42,7 +42,8 @@ _fn_cache: dict = {}
 
 def _fn(name: str):
     """The kernel for this CPU (or the variant forced by use_variant), looked up once."""
-    key = (name, getattr(_state, "variant", None), os.environ.get("CPU_OPT_MAX_ISA"))
+    key = (name, getattr(_state, "variant", None), os.environ.get("CPU_OPT_MAX_ISA"),
+           os.environ.get("ONEDNN_MAX_CPU_ISA"))  # both caps decide the variant (hw.isa_cap_from_env)
     fn = _fn_cache.get(key)
     if fn is None:
         fn = _fn_cache[key] = native.kernel(name, key[1])

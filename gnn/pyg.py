@@ -233,13 +233,15 @@ def _onednn_linear_route() -> bool:
     table needs hw.detect())."""
     from ..platform import routing
 
-    return torch.backends.mkldnn.is_available() and routing.route("linear", "fp32").backend == "torch_onednn"
+    return torch.backends.mkldnn.is_available() and \
+        routing.route("linear", "fp32", rows=ONEDNN_LINEAR_MIN_ROWS).backend == "torch_onednn"
 
 
 # Node-feature GEMMs below this many rows stay on F.linear: each mkldnn._linear_pointwise call
 # costs 30-70 us more than addmm (no prepacked weights), which only large GEMMs earn back.
-# Measured here (medians, F.linear time / oneDNN time, K x N in 64x64, 34x16, 16x4): 1 thread
-# 4096 rows 0.83-1.12, 16384 rows 1.09-1.74; 2 threads 4096 rows 0.78-1.05, 16384 rows 0.92-1.42.
+# Measured on the AMD EPYC Zen 3 (AVX2), November 2026 (medians, F.linear time / oneDNN time, K x N
+# in 64x64, 34x16, 16x4): 1 thread 4096 rows 0.83-1.12, 16384 rows 1.09-1.74; 2 threads 4096 rows
+# 0.78-1.05, 16384 rows 0.92-1.42.
 ONEDNN_LINEAR_MIN_ROWS = 16384
 
 

@@ -247,3 +247,28 @@ def test_shape_propagation_falls_back_to_a_real_run_without_a_fake_kernel():
     _propagate_shapes(gm, [x])
     vals = [n.meta["val"] for n in gm.graph.nodes if n.op != "output"]
     assert all(v.shape == (3, 5) and v.device.type == "meta" for v in vals)
+
+
+def test_a_bf16_model_optimized_as_fp32_never_reaches_onednn_bf16_where_it_would_abort():
+    """The dtype asked for is fp32, the graph is bf16: the guard is the graph's own dtypes and the
+    ISA oneDNN really uses (it aborted the process on bf16 eltwise below avx512_core). Runs in a
+    fresh process, so an abort fails the test instead of the suite."""
+    import subprocess
+    import sys
+
+    code = ("import torch, cpu_opt\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).bfloat16().eval()\n"
+            "x = torch.randn(3, 8).bfloat16()\n"
+            "opt = cpu_opt.optimize(m, x, dtype='fp32')\n"
+            "ref = m(x).float()\n"
+            "err = ((opt(x).float() - ref).abs().max() / ref.abs().max()).item()\n"
+            "rep = opt.report()\n"
+            "print('OK', err, rep['num_partitions'], len(rep['fallbacks']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    _, err, parts, fallbacks = r.stdout.split()[-4:]
+    assert float(err) < 1e-2
+    from cpu_opt.dnnl import probe
+
+    if not probe.accepts("bf16"):
+        assert int(parts) == 0  # every bf16 op ran in torch, refused by the binding with a reason
