@@ -7,7 +7,6 @@ fused, what fell back to torch and why, the route of each partition, and the dty
 from __future__ import annotations
 
 import copy
-import sys
 import threading
 import time
 import warnings

@@ -31,6 +31,10 @@ FILE_PREFIX = "routing-profile-"
 # representative shape per class and a layer takes the class of its activation rows.
 ROW_CLASSES = (("gemv", 4), ("m128", 512), ("m2048", None))  # (class, rows below which it applies)
 DEFAULT_CLASS = "default"
+# What a profile may route: the work calibrate measures on its own (calibrate.py says why fp32/bf16
+# convolutions and activation matmuls are not among them). A case outside this set is refused.
+MEASURED = {("linear", "fp32"), ("linear", "bf16"), ("linear", "int8"), ("conv", "int8"),
+            ("attention", "fp32"), ("attention", "bf16")}
 REPRESENTATIVE_ROWS = {"gemv": 1, "m128": 128, "m2048": 2048}  # the rows calibrate measures each class at
 
 
@@ -141,6 +145,9 @@ def parse(data, path: str = "<memory>", key: dict | None = None) -> Profile:
                      winner=str(raw["winner"]))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ProfileError(f"malformed case {raw!r}: {type(e).__name__}: {e}") from None
+        if (c.work, c.dtype) not in MEASURED:
+            raise ProfileError(f"case {c.work}/{c.dtype}: not a kind of work a profile routes "
+                               f"(calibrate measures {sorted(MEASURED)})")
         if c.winner not in c.times_ms:
             raise ProfileError(f"case {c.work}/{c.dtype}/{c.shape_class}: winner {c.winner!r} was not timed")
         cases.append(c)

@@ -72,16 +72,17 @@ RULES: tuple[Rule, ...] = (
          f"Ice Lake (197 vs 207 GFLOP/s at 1024^3, {ICX}); fused Divide/Add/ReLU post-ops favour oneDNN Graph",
          any_of=(AVX512,)),
     Rule("gemm", "fp32", "onednn",
-         f"bare batched (12, 128x64 @ 64x128) matmul: torch 0.256 ms vs oneDNN 3.2 gemm:jit:f32 0.28-0.30 ms, {ZEN3}; "
-         "kept on oneDNN for the scale/mask post-ops a oneDNN Graph partition fuses into it (a profile whose "
-         "bare-matmul winner is torch by more than 10% overrides this)", any_of=(AVX2,)),
+         "inside oneDNN Graph partitions, with the scale/mask ops fused in: BERT-base with explicit attention at "
+         "batch 1 took 235 ms this way and 555 ms with its 24 attention matmuls in torch, though the bare batched "
+         f"matmul (12 x 128x64 @ 64x128) is 8-16% faster in torch (0.24-0.26 vs 0.28-0.31 ms), {ZEN3}",
+         any_of=(AVX2,)),
     Rule("gemm", "fp32", "torch", f"no AVX2: torch's kernels ({UNMEASURED}; oneDNN 3.2 has only SSE4.1 jit kernels there)"),
     Rule("gemm", "bf16", "onednn",
          f"oneDNN 3.2 bf16 matmul: about 486 GFLOP/s per core, 1.2-1.3x torch's bf16 path; {ZEN5}", any_of=BF16_HW),
     Rule("gemm", "bf16", "torch",
          f"no native bf16: oneDNN 3.2 emulates bf16 from avx512_core (gemm:jit:bf16, about 4x slower than its fp32, "
-         f"{ICX}) and refuses it below (dnnl_unimplemented; torch's bf16 matmul 13.8-15.6 ms for the 12x128x64x128 "
-         f"batch, {ZEN3})"),
+         f"{ICX}) and refuses it below (dnnl_unimplemented; torch's bf16 matmul 13-17 ms for a 12x128x64x128 "
+         f"batch, fp32 0.26, {ZEN3})"),
     Rule("gemm", "int8", "onednn",
          f"u8 x s8 with VNNI: brg:avx512_core_vnni, 504 GFLOP/s at 1024^3 = 2.3x the fp32 peak, {ICX}", any_of=VNNI),
     Rule("gemm", "int8", "fbgemm",
@@ -94,42 +95,43 @@ RULES: tuple[Rule, ...] = (
          f"on the Ice Lake (128x768x3072: 175 vs 179 GFLOP/s, {ICX}); torch's oneDNN 3.12 never measured against it "
          "on AVX-512 (run calibrate there)", any_of=(AVX512,)),
     Rule("linear", "fp32", "onednn",
-         "a GEMV (1-3 rows): MLP 1024-4096-4096-1024-1000 at batch 1 took 8 ms with its GEMVs on cpu_opt's oneDNN "
-         f"3.2 and 11 ms on torch's oneDNN 3.12 ({ZEN3_EARLIER}); the 1x768x3072 micro case: torch's oneDNN "
-         f"0.54-0.63 ms, cpu_opt's 0.62-0.71, torch (MKL) 0.83-0.97 ({ZEN3})",
+         "a GEMV (1-3 rows): MLP 1024-4096-4096-1024-1000 at batch 1 took 7.18 ms with its GEMVs on cpu_opt's "
+         f"oneDNN 3.2 and 7.68 ms on torch's oneDNN 3.12 ({ZEN3}; 8 vs 11 ms in November); 1x4096x4096: cpu_opt's "
+         f"3.3-4.5 ms, torch's oneDNN 3.4-4.8, MKL 4.2-5.7 ({ZEN3})",
          any_of=(AVX2,), max_rows=LINEAR_TORCH_MIN_ROWS - 1),
     Rule("linear", "fp32", "torch_onednn",
          "pip oneDNN 3.2 has only gemm:jit:f32 on AVX2, torch's oneDNN 3.12 has brg_matmul:avx2: 128x768x3072 "
-         f"torch's oneDNN 5.6-5.7 ms, torch (MKL) 6.9-8.8, cpu_opt's oneDNN 9.7-9.9; 2048x768x3072 70-79 / 81-100 / "
-         f"71-79 ms ({ZEN3}); end to end BERT-base 1.21x, ViT-B/16 1.19x at batch 1 ({ZEN3_EARLIER})",
+         f"torch's oneDNN 5.4-5.9 ms, MKL 6.3-8.6, cpu_opt's 9.0-9.7; 2048x768x3072 65-80 / 65-84 / 65-71 ms, a tie "
+         f"({ZEN3}); end to end BERT-base 1.21x, ViT-B/16 1.19x at batch 1 ({ZEN3_EARLIER})",
          any_of=(AVX2,)),
     Rule("linear", "fp32", "torch", f"no AVX2: torch's own kernels ({UNMEASURED})"),
     Rule("linear", "bf16", "onednn", f"oneDNN 3.2 bf16 matmul with packed weights; {ZEN5}", any_of=BF16_HW),
     Rule("linear", "bf16", "torch",
-         f"no native bf16 math: emulated either way; torch's bf16 F.linear 128x768x3072 in 37-40 ms (fp32: 5.6), "
+         f"no native bf16 math: emulated either way; torch's bf16 F.linear 128x768x3072 in 32-43 ms (fp32: 5.4-5.9), "
          f"oneDNN 3.2 and torch's oneDNN refuse bf16 below avx512_core ({ZEN3})"),
     Rule("linear", "int8", "onednn",
          f"u8 x s8 with VNNI: brg:avx512_core_vnni, 220 GFLOP/s at 128x768x3072 vs 175 fp32, {ICX}", any_of=VNNI),
     Rule("linear", "int8", "fbgemm",
-         "without VNNI (7-bit activations, all candidates exact): FBGEMM 0.19-0.21 ms vs 0.41-0.48 (both oneDNNs) at "
-         f"1x768x3072, 3.1-3.5 vs 3.1-3.6 at 128 rows; at 2048 rows both oneDNNs win (33-37 vs 38-43 ms; a "
-         f"profile takes that) ({ZEN3})", any_of=(AVX2,)),
+         "without VNNI (7-bit activations, all candidates exact): FBGEMM 1.2-1.5 ms vs 3.9-5.2 (both oneDNNs) at "
+         "1x4096x4096, 2.3-3.2 vs 2.5-3.3 at 128x768x3072; at 2048 rows the oneDNNs win 2 runs in 3 (30-42 vs "
+         f"33-45 ms; a profile takes that) ({ZEN3})", any_of=(AVX2,)),
     Rule("linear", "int8", "torch", f"no AVX2: torch's reference quantized kernels ({UNMEASURED})"),
     # ---------------------------------------------------------------- convolution
     Rule("conv", "fp32", "onednn",
          "oneDNN NHWC convolution with packed weights and fused bias/sum/ReLU post-ops (one Graph partition, "
-         f"3.5e-7 from a float64 reference; shared/KNOWN.md); 1x64x56x56 3x3 + bias + ReLU: oneDNN 3.2 2.02-2.15 ms, "
-         f"torch 1.85-2.1 ({ZEN3})", any_of=(AVX2,)),
+         "3.5e-7 from a float64 reference; shared/KNOWN.md): ResNet-18 at batch 1 took 26.7 ms with its "
+         "convolutions in oneDNN partitions and 48.6 ms with them in torch (eager 41.4), though a bare 3x3 conv + "
+         f"ReLU (1x64x56x56) is 5-10% faster in torch ({ZEN3})", any_of=(AVX2,)),
     Rule("conv", "fp32", "torch", f"no AVX2: torch's convolution ({UNMEASURED})"),
     Rule("conv", "bf16", "onednn", f"oneDNN bf16 convolution needs avx512_bf16/AMX; {ZEN5}", any_of=BF16_HW),
     Rule("conv", "bf16", "torch",
          f"no native bf16: oneDNN 3.2 refuses bf16 convolution below avx512_core; torch's bf16 3x3 conv 15.7-18.4 ms "
-         f"vs 1.9-2.1 fp32 ({ZEN3})"),
+         f"vs 1.9-2.1 fp32 (1x64x56x56, {ZEN3})"),
     Rule("conv", "int8", "onednn", f"oneDNN int8 convolution with VNNI (brg_conv_fwd:avx512_core_vnni, {ICX})",
          any_of=VNNI),
     Rule("conv", "int8", "fbgemm",
-         "no VNNI: FBGEMM with reduce_range is torch's x86 default for int8 conv; torch's oneDNN qconv2d measured "
-         f"0.87-1.36 ms vs FBGEMM 0.97-1.44 on 1x64x56x56 3x3 (7-bit activations; a profile takes it) ({ZEN3})",
+         "no VNNI: FBGEMM with reduce_range is torch's x86 default for int8 conv; torch's oneDNN qconv2d 0.86-1.25 "
+         f"ms vs FBGEMM 0.94-1.3 on 1x64x56x56 3x3 (7-bit activations; within 10% in 2 runs of 3) ({ZEN3})",
          any_of=(AVX2,)),
     Rule("conv", "int8", "torch", f"no AVX2: torch's reference quantized kernels ({UNMEASURED})"),
     # ---------------------------------------------------------------- attention
@@ -139,10 +141,10 @@ RULES: tuple[Rule, ...] = (
          f"without AMX torch's CPU flash kernel gains nothing from bf16, while bf16 matmul->softmax->matmul is about "
          f"2.7x faster (batch 1, 12 heads, seq 512, dim 64); {ZEN5}", any_of=(frozenset({"avx512_bf16"}),)),
     Rule("attention", "bf16", "torch_flash",
-         f"no native bf16 dot products: flash 2.8-3.3 ms vs bf16 matmul-softmax-matmul 64-78 ms (1x12x256x64, {ZEN3})"),
+         f"no native bf16 dot products: flash 2.9-3.3 ms vs bf16 matmul-softmax-matmul 58-74 ms (1x12x256x64, {ZEN3})"),
     Rule("attention", "fp32", "torch_flash",
-         "torch's flash kernel avoids materialising the score matrix: 2.0-2.5 ms vs fp32 matmul-softmax-matmul "
-         f"2.8-3.4 ms (1x12x256x64, {ZEN3})"),
+         "torch's flash kernel avoids materialising the score matrix: 2.0-2.2 ms vs fp32 matmul-softmax-matmul "
+         f"2.8-3.2 ms (1x12x256x64, {ZEN3})"),
     # ---------------------------------------------------------------- GNN kernels
     Rule("gnn", "fp32", "native_avx512", "cpu_opt's C kernels, AVX-512 variant",
          any_of=(native.VARIANT_REQUIRES["avx512"],)),
