@@ -253,3 +253,21 @@ def test_row_classes():
         ["gemv", "gemv", "m128", "m128", "m2048", "m2048", "m128"]
     assert profile.row_class(routing.LINEAR_TORCH_MIN_ROWS - 1) == "gemv"
     assert profile.row_class(routing.LINEAR_TORCH_MIN_ROWS) == "m128"
+
+
+def test_int8_candidates_are_checked_for_saturation(monkeypatch):
+    """With 8-bit activations every x86 int8 kernel without VNNI saturates u8 x s8 pairs in int16
+    (20% wrong here): the check excludes them. With VNNI, oneDNN's kernels are exact. calibrate itself
+    uses 7-bit activations where the CPU has no VNNI, so it has right candidates on both sides."""
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(calibrate, "_int8_inputs",
+                        lambda shape, gen: (torch.randint(0, 256, shape, dtype=torch.uint8, generator=g), 256))
+    built = calibrate._linear_int8((16, 256, 64))
+    if hw.has_vnni(hw.detect()):
+        assert {"onednn", "torch_onednn"} <= set(built.fns), built.excluded
+    else:
+        assert not built.fns and all(w.startswith("wrong answer") for w in built.excluded.values()), built.excluded
+    monkeypatch.undo()
+    seven_bit = calibrate._linear_int8((16, 256, 64))
+    assert seven_bit.fns and "bit activations" in seven_bit.shape
+    assert ("8-bit" in seven_bit.shape) == hw.has_vnni(hw.detect())
