@@ -84,6 +84,30 @@ def check(status: int, what: str, detail: str = "") -> None:
 
 
 HUGEPAGE_MIN_BYTES = 4 << 20
+CHECKED_ALLOCATION_BYTES = 1 << 28  # buffers from 256 MiB up are checked against the memory available
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_allocation(nbytes: int, what: str) -> None:
+    """Refuse, with a MemoryError naming the argument, a buffer larger than the memory available.
+    On Linux a huge ``torch.empty`` succeeds (overcommit) and a kernel's first pass over it brings
+    the OOM killer instead of an exception."""
+    if nbytes < CHECKED_ALLOCATION_BYTES:
+        return
+    avail = _available_bytes()
+    if avail is not None and nbytes > avail:
+        raise MemoryError(f"{what} needs {nbytes / 2**30:.1f} GiB; {avail / 2**30:.1f} GiB are available")
 
 
 def empty(*shape, dtype=None):
@@ -92,7 +116,12 @@ def empty(*shape, dtype=None):
     12,000 page faults on first write, which costs the GNN kernels as much as their work."""
     import torch
 
-    t = torch.empty(*shape, dtype=dtype or torch.float32)
+    dtype = dtype or torch.float32
+    numel = 1
+    for d in (shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape):
+        numel *= int(d)
+    check_allocation(numel * torch.empty((), dtype=dtype).element_size(), f"a {dtype} buffer of shape {shape}")
+    t = torch.empty(*shape, dtype=dtype)
     nbytes = t.numel() * t.element_size()
     if nbytes >= HUGEPAGE_MIN_BYTES:
         lib().co_advise_hugepages(ffi().cast("void *", t.data_ptr()), nbytes)
@@ -136,3 +165,25 @@ def gather_rows(src, index, out=None, variant: str | None = None):
         raise IndexError(f"gather_rows: index[{bad[0]}] = {int(index[bad[0]])} is out of range for {n} rows")
     check(st, "gather_rows")
     return out
+
+
+def fingerprint(t) -> int:
+    """A 64-bit fingerprint of a tensor's contents (its bytes in row-major order; dtype, shape and
+    strides are the caller's to add to a key). Caches keyed by a tensor use it to notice every
+    change of contents — ``_version`` misses writes through ``.data`` or numpy views and raises on
+    inference-mode tensors. Memory-bound: about 1 ms per 10 MB here."""
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"fingerprint takes a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or t.layout != torch.strided:
+        raise ValueError(f"fingerprint takes a dense CPU tensor, got {t.device} {t.layout}")
+    if t.is_neg() or t.is_conj():
+        t = t.resolve_neg().resolve_conj()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    out = ffi().new("uint64_t *")
+    nbytes = t.numel() * t.element_size()
+    check(lib().co_fingerprint(ffi().cast("void *", t.data_ptr()) if nbytes else ffi().NULL, nbytes,
+                               torch.get_num_threads(), out), "co_fingerprint")
+    return int(out[0])

@@ -15,6 +15,7 @@ import threading
 import torch
 
 from cpu_opt import native
+from cpu_opt._memory import holds_its_values, overlaps
 
 FEATURE_DTYPES = {torch.float32: ("f32", "float *"), torch.float64: ("f64", "double *"),
                   torch.bfloat16: ("bf16", "uint16_t *")}
@@ -71,6 +72,9 @@ def check_tensor(t, name: str, *, dtypes=None, dim=None):
         raise ValueError(f"{name} must be on the CPU, got device {t.device}")
     if t.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if not holds_its_values(t):  # the kernels read data_ptr(): a lazy negation would be lost
+        raise ValueError(f"{name} is a lazily {'negated' if t.is_neg() else 'conjugated'} view; "
+                         "call .resolve_neg() / .resolve_conj() first")
     if dtypes is not None and t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if dim is not None and t.dim() != dim:
@@ -382,6 +386,7 @@ def index_to_csr(index, dim_size: int):
     index = _idx(index, "index")
     if not isinstance(dim_size, int) or dim_size < 0:
         raise ValueError(f"dim_size must be a non-negative int, got {dim_size!r}")
+    native.check_allocation((dim_size + 1) * 8, f"index_to_csr: dim_size={dim_size} (a row pointer of {dim_size + 1} int64)")
     isuf, ict = INDEX_DTYPES[index.dtype]
     rowptr = torch.empty(dim_size + 1, dtype=torch.int64)
     perm = torch.empty(index.numel(), dtype=torch.int64)
@@ -400,6 +405,7 @@ def csr_transpose(rowptr, col, n_cols: int):
     if int(rowptr[-1]) != col.numel():
         raise ValueError(f"rowptr[-1] = {int(rowptr[-1])} must equal col.numel() = {col.numel()}")
     isuf, ict = INDEX_DTYPES[col.dtype]
+    native.check_allocation((n_cols + 1) * 8, f"csr_transpose: n_cols={n_cols}")
     colptr = torch.empty(n_cols + 1, dtype=torch.int64)
     row_t = torch.empty(col.numel(), dtype=torch.int64)
     perm = torch.empty(col.numel(), dtype=torch.int64)
@@ -429,6 +435,9 @@ def gather_rows(src, index, out=None):
         if tuple(out.shape) != shape or out.dtype != src.dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {src.dtype} tensor of shape {shape}, "
                              f"got {out.dtype} {tuple(out.shape)}")
+        for what, t in (("src", src), ("index", index)):
+            if overlaps(out, t):  # rows would be overwritten before they are read
+                raise ValueError(f"gather: out shares memory with {what}; pass a separate buffer")
     isuf, ict = INDEX_DTYPES[index.dtype]
     row_bytes = src.element_size() * (src[0].numel() if src.shape[0] else int(torch.Size(src.shape[1:]).numel()))
     bad = native.ffi().new("int64_t *", -1)

@@ -13,6 +13,8 @@ from collections import OrderedDict
 
 import torch
 
+from cpu_opt import native
+
 from . import _kernels as K
 
 
@@ -47,6 +49,7 @@ class CSRGraph:
             if col.numel() and (int(col.min()) < 0 or int(col.max()) >= n_cols):
                 raise IndexError(f"col holds {int(col.min())}..{int(col.max())}, out of range [0, {n_cols})")
         self._csc = None
+        self._csc_fp = None
         self._lock = threading.Lock()
         self._deg = None
 
@@ -89,13 +92,24 @@ class CSRGraph:
     def nnz(self) -> int:
         return self.col.numel()
 
+    def _structure_fingerprint(self) -> tuple:
+        return native.fingerprint(self.rowptr), native.fingerprint(self.col)
+
     def csc(self):
-        """(colptr, row_t, perm) of the transpose; built once (under a lock) and kept."""
-        if self._csc is None:
-            with self._lock:
-                if self._csc is None:
-                    self._csc = K.csr_transpose(self.rowptr, self.col, self.n_cols)
-        return self._csc
+        """(colptr, row_t, perm) of the transpose; built once (under a lock) and kept while
+        ``rowptr`` and ``col`` hold the same contents: an in-place edit of either (through any view,
+        versioned or not) rebuilds it instead of handing backward a stale transpose."""
+        if torch.compiler.is_compiling():  # dynamo cannot trace the hash; the traced graph holds the tensors
+            if self._csc is None:
+                self._csc = K.csr_transpose(self.rowptr, self.col, self.n_cols)
+            return self._csc
+        fp = self._structure_fingerprint()
+        with self._lock:
+            if self._csc is None or self._csc_fp != fp:
+                self._csc = K.csr_transpose(self.rowptr, self.col, self.n_cols)
+                self._csc_fp = fp
+                self._deg = None
+            return self._csc
 
     def deg(self) -> torch.Tensor:
         if self._deg is None:
@@ -130,9 +144,11 @@ class CSRGraph:
 class _SortCache:
     """The (rowptr, perm) of recently seen scatter indices, so the same index is sorted once.
 
-    An entry keeps a reference to the index tensor itself, so its memory cannot be freed and
-    reused by another tensor while the entry lives; the key includes the tensor's version
-    counter (shared with its views), so an in-place change to the index misses the cache."""
+    Keyed by the index's *contents* (a 64-bit fingerprint of its bytes, its length and dtype) and
+    ``dim_size``: the sort depends on nothing else. A pointer-and-``_version`` key missed in-place
+    writes that bump no version (``.data``, numpy views over a reused buffer) and raised on
+    inference-mode tensors; hashing costs one pass over the index (about 1 ms per 8 MB), against a
+    sort of it on a miss."""
 
     def __init__(self, capacity: int = 16):
         self.capacity = capacity
@@ -143,8 +159,7 @@ class _SortCache:
 
     @staticmethod
     def _key(index: torch.Tensor, dim_size: int):
-        return (index.data_ptr(), index.storage_offset(), tuple(index.shape), tuple(index.stride()),
-                index.dtype, index._version, int(dim_size))
+        return (native.fingerprint(index), index.numel(), index.dtype, int(dim_size))
 
     def get(self, index: torch.Tensor, dim_size: int):
         key = self._key(index, dim_size)
@@ -153,11 +168,11 @@ class _SortCache:
             if hit is not None:
                 self._d.move_to_end(key)
                 self.hits += 1
-                return hit[1], hit[2]
+                return hit
         rowptr, perm = K.index_to_csr(index, dim_size)
         with self._lock:
             self.misses += 1
-            self._d[key] = (index, rowptr, perm)
+            self._d[key] = (rowptr, perm)
             while len(self._d) > self.capacity:
                 self._d.popitem(last=False)
         return rowptr, perm

@@ -37,6 +37,8 @@ from collections import Counter, OrderedDict
 
 import torch
 
+from cpu_opt import native
+
 from . import _kernels as K
 from . import ops
 from .graph import CSRGraph, torch_csr_registry
@@ -45,6 +47,9 @@ _counts: Counter = Counter()
 _lock = threading.RLock()
 _depth = 0
 _saved: list = []
+# True inside a patched() block of this thread (or task): the replacements, installed process-wide
+# while any thread is inside one, hand everyone else PyG's own function.
+_active: contextvars.ContextVar = contextvars.ContextVar("cpu_opt_gnn_patched", default=False)
 
 
 def _originals():
@@ -62,6 +67,8 @@ def _cpu_float(t):
 
 def _make_spmm(orig):
     def spmm(src, other, reduce: str = "sum"):
+        if not _active.get():
+            return orig(src, other, reduce)
         r = "sum" if reduce == "add" else reduce
         if (isinstance(src, torch.Tensor) and src.layout == torch.sparse_csr and _cpu_float(other)
                 and other.dim() == 2 and r in ("sum", "mean", "max", "min") and src.device.type == "cpu"):
@@ -76,6 +83,8 @@ def _make_spmm(orig):
 
 def _make_scatter(orig):
     def scatter(src, index, dim: int = 0, dim_size=None, reduce: str = "sum"):
+        if not _active.get():
+            return orig(src, index, dim, dim_size, reduce)
         ok = (_cpu_float(src) and isinstance(index, torch.Tensor) and index.dim() == 1
               and index.dtype in K.INDEX_DTYPES and reduce in ("sum", "add", "mean", "max", "min", "mul")
               and src.dim() > 0 and -src.dim() <= dim < src.dim() and index.numel() == src.shape[dim])
@@ -126,7 +135,7 @@ _gcn_cache = _GCNNormCache()
 def _make_gcn_norm(orig):
     def gcn_norm(edge_index, edge_weight=None, num_nodes=None, improved=False, add_self_loops=True,
                  flow="source_to_target", dtype=None):
-        if (isinstance(edge_index, torch.Tensor) and edge_index.layout == torch.sparse_csr and edge_weight is None):
+        if _active.get() and (isinstance(edge_index, torch.Tensor) and edge_index.layout == torch.sparse_csr and edge_weight is None):
             hit = torch_csr_registry.lookup(edge_index)
             if hit is not None and hit[1]:  # ones made by cpu_opt: the normalisation is fixed
                 return _gcn_cache.get(orig, edge_index, (num_nodes, improved, add_self_loops, flow, dtype))
@@ -175,8 +184,10 @@ def _replacements(originals):
 @contextlib.contextmanager
 def patched():
     """Within this block, PyG's ``scatter``, ``spmm`` and ``gcn_norm`` (every bound copy) run on
-    cpu_opt's kernels; the originals are restored on exit. Re-entrant; process-wide while active
-    (do not run other PyG models concurrently in other threads that must stay unpatched)."""
+    cpu_opt's kernels, in this thread (or asyncio task) only: the replacements are installed in
+    PyG's modules while any thread is inside a block, and hand PyG's own function to callers
+    outside one, so another thread running PyG meanwhile sees PyG unchanged. Re-entrant; the
+    originals are restored when the last block exits."""
     global _depth
     with _lock:
         if _depth == 0:
@@ -187,9 +198,11 @@ def patched():
                 _saved.append((mod, name, mod.__dict__[name]))
                 setattr(mod, name, repl[name])
         _depth += 1
+    token = _active.set(True)
     try:
         yield
     finally:
+        _active.reset(token)
         with _lock:
             _depth -= 1
             if _depth == 0:
@@ -377,6 +390,7 @@ class OptimizedGNN(torch.nn.Module):
         self._signature = inspect.signature(model.forward)
         self._index_dtype = index_dtype
         self._cache: OrderedDict = OrderedDict()
+        self._cache_lock = threading.Lock()
         self._cache_size = cache_size
         self._notes: Counter = Counter()
         from torch_geometric.nn import MessagePassing
@@ -395,21 +409,24 @@ class OptimizedGNN(torch.nn.Module):
         self._onednn_linear = onednn_linear
 
     def _adj_t(self, edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
-        key = (edge_index.data_ptr(), edge_index.storage_offset(), tuple(edge_index.shape),
-               tuple(edge_index.stride()), edge_index._version, num_nodes)
-        hit = self._cache.get(key)
-        if hit is not None:
-            self._cache.move_to_end(key)
-            self._notes["edge_index -> adj_t: cached"] += 1
-            return hit[1]
+        # keyed by the contents of edge_index (see graph._SortCache): a batch written into a reused
+        # buffer, through .data or numpy, is a new graph even though its pointer and version are not
+        key = (native.fingerprint(edge_index), tuple(edge_index.shape), edge_index.dtype, num_nodes)
+        with self._cache_lock:  # one model may serve several threads
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self._notes["edge_index -> adj_t: cached"] += 1
+                return hit[1]
         g = CSRGraph.from_edge_index(edge_index, num_nodes, index_dtype=self._index_dtype)
         adj_t = g.to_torch()
-        torch_csr_registry.register(adj_t, g, unit_weight=True, edge_index=edge_index)
-        # the entry keeps edge_index alive, so its memory cannot be reused by another tensor
-        self._cache[key] = (edge_index, adj_t)
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        self._notes["edge_index -> adj_t: converted"] += 1
+        # the adj_t's gcn_norm is computed from this edge_index: keep a copy the caller cannot edit
+        torch_csr_registry.register(adj_t, g, unit_weight=True, edge_index=edge_index.clone())
+        with self._cache_lock:
+            self._cache[key] = (edge_index, adj_t)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            self._notes["edge_index -> adj_t: converted"] += 1
         return adj_t
 
     def forward(self, *args, **kwargs):

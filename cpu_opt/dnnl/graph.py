@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._memory import overlaps
 from . import lib as L
 from .cache import CACHE
 from .memory import dnnl_dtype
@@ -248,6 +249,18 @@ class Partition:
         return CACHE.get_or_create(key, lambda: CompiledPartition(self, ins, outs))
 
 
+def _check_bound(t, lt: LogicalTensor, what: str) -> None:
+    """A tensor handed to a compiled partition must be exactly the logical tensor it was compiled for."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_neg() or t.is_conj():
+        raise ValueError(f"{what} must be a dense CPU tensor holding its values (got {t.device}, {t.layout}"
+                         f"{', a negated view' if t.is_neg() else ''}{', a conjugated view' if t.is_conj() else ''})")
+    if tuple(t.shape) != lt.shape or t.dtype != lt.dtype or (lt.strides is not None and tuple(t.stride()) != lt.strides):
+        raise ValueError(f"{what} is {tuple(t.shape)} {t.dtype} strides {tuple(t.stride())}; "
+                         f"compiled for {lt.shape} {lt.dtype} strides {lt.strides}")
+
+
 class CompiledPartition:
     def __init__(self, part: Partition, inputs: list[LogicalTensor], outputs: list[LogicalTensor]):
         f, l = L.ffi(), L.lib()
@@ -295,10 +308,25 @@ class CompiledPartition:
         if len(inputs) != len(self.inputs):
             raise ValueError(f"{self.what}: expected {len(self.inputs)} inputs, got {len(inputs)}")
         for i, (t, lt) in enumerate(zip(inputs, self.inputs)):
-            if tuple(t.shape) != lt.shape or t.dtype != lt.dtype or (lt.strides is not None and tuple(t.stride()) != lt.strides):
-                raise ValueError(f"{self.what}: input {i} is {tuple(t.shape)} {t.dtype} strides {tuple(t.stride())}; "
-                                 f"compiled for {lt.shape} {lt.dtype} strides {lt.strides}")
-        outputs = outputs if outputs is not None else self.new_outputs()
+            _check_bound(t, lt, f"{self.what}: input {i}")
+        if outputs is None:
+            outputs = self.new_outputs()
+        else:
+            # oneDNN writes each output through its data pointer with the compiled layout: a buffer of
+            # another size, dtype or stride overflows or scrambles, a missing one leaves a stale handle
+            if len(outputs) != len(self.outputs):
+                raise ValueError(f"{self.what}: expected {len(self.outputs)} outputs, got {len(outputs)}")
+            for i, (t, lt) in enumerate(zip(outputs, self.outputs)):
+                _check_bound(t, lt, f"{self.what}: output {i}")
+                for j, x in enumerate(inputs):
+                    if overlaps(t, x):
+                        raise ValueError(f"{self.what}: output {i} shares memory with input {j}")
+        return self.run_unchecked(inputs, outputs)
+
+    def run_unchecked(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Execute without the argument checks of ``__call__``: for cpu_opt's runtime, which compiled
+        this partition for exactly these input signatures (its cache is keyed by them) and allocates
+        the outputs from :meth:`new_outputs`. Anything else calls the partition."""
         f, l = L.ffi(), L.lib()
         ts, in_arr, out_arr = self._slots()
         for h, t in zip(ts, list(inputs) + list(outputs)):

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from .._memory import overlaps
 from . import lib as L
 from .cache import CACHE
 from .memory import TORCH_TO_DNNL, BorrowedDesc, MemoryDesc, ThreadSlots, empty_for, memory, set_handle
@@ -130,10 +131,19 @@ class _Attr:
 
 
 def _check_tensor(t, name: str, dtypes=None, ndim=None):
+    """A dense CPU tensor whose bytes are its values: oneDNN reads and writes ``data_ptr()`` directly,
+    so sparse, quantized, meta and lazily negated/conjugated views are refused by name."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if t.is_quantized:
+        raise TypeError(f"{name} is a quantized tensor ({t.dtype}); pass its int_repr() with scales instead")
+    if t.is_neg() or t.is_conj():
+        raise ValueError(f"{name} is a lazily {'negated' if t.is_neg() else 'conjugated'} view whose memory does "
+                         f"not hold its values; call .resolve_neg() / .resolve_conj() first")
     if dtypes is not None and t.dtype not in dtypes:
         raise TypeError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
     if ndim is not None and t.dim() not in (ndim if isinstance(ndim, tuple) else (ndim,)):
@@ -178,6 +188,30 @@ def _matmul_primitive(src_md, w_md, b_md, dst_md, attr: "_Attr", what: str) -> C
                                                       dst_md.handle, attr.handle),
             "dnnl_matmul_primitive_desc_create", what)
     return Compiled(pd[0], what)
+
+
+def _check_out(out: torch.Tensor, shape, dtype: torch.dtype, *inputs: torch.Tensor, memory_format=None) -> None:
+    """``out=`` must be exactly what the primitive writes: the dtype (a bf16 or int8 buffer given fp32
+    bytes overflows the heap), the shape, a dense layout with no self-overlap, and no memory shared
+    with an input (oneDNN would read what it already overwrote)."""
+    _check_tensor(out, "out")
+    if out.dtype != dtype:
+        raise TypeError(f"out has dtype {out.dtype}; this op writes {dtype}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out has shape {tuple(out.shape)}; expected {tuple(shape)}")
+    fmt = memory_format or torch.contiguous_format
+    if not out.is_contiguous(memory_format=fmt):
+        raise ValueError(f"out must be contiguous ({fmt}); got strides {tuple(out.stride())}")
+    for i, t in enumerate(inputs):
+        if t is not None and overlaps(out, t):
+            raise ValueError(f"out shares memory with input {i}; pass a separate buffer")
+
+
+def _strip_leading_ones(shape) -> tuple:
+    shape = tuple(shape)
+    while shape and shape[0] == 1:
+        shape = shape[1:]
+    return shape
 
 
 def _post_op_key(post_ops):
@@ -302,23 +336,23 @@ class Matmul:
                 raise ValueError("a 'sum' post-op accumulates into out=: pass the tensor to add to")
             out = torch.empty(*lead, self.N, dtype=self.dst_dtype)
         else:
-            _check_tensor(out, "out", (self.dst_dtype,))
-            if tuple(out.shape) != (*lead, self.N) or not out.is_contiguous():
-                raise ValueError(f"out must be a contiguous {self.dst_dtype} tensor of shape {(*lead, self.N)}")
+            _check_out(out, (*lead, self.N), self.dst_dtype, src, *binary)
+        n_binary = sum(p.kind in ("add", "mul") for p in self.post_ops)
+        if len(binary) != n_binary:
+            raise ValueError(f"this matmul has {n_binary} binary post-op(s); got {len(binary)} tensor(s)")
+        for i, t in enumerate(binary):
+            _check_tensor(t, f"binary[{i}]")
         if M == 0:
             return out
         comp, packed = self._compiled(M)
-        bin_args = [a for a, _ in comp._attr.binary_args]
-        if len(binary) != len(bin_args):
-            raise ValueError(f"this matmul has {len(bin_args)} binary post-op(s); got {len(binary)} tensor(s)")
         tensors = {l.DNNL_ARG_SRC: src, l.DNNL_ARG_WEIGHTS: packed, l.DNNL_ARG_DST: out}
         if self.bias is not None:
             tensors[l.DNNL_ARG_BIAS] = self.bias
         keep = []
         for (arg, md), t in zip(comp._attr.binary_args, binary):
+            if _strip_leading_ones(t.shape) != _strip_leading_ones(md.shape):
+                raise ValueError(f"binary post-op operand has shape {tuple(t.shape)}, expected {tuple(md.shape)}")
             t = t.to(md.dtype).contiguous()
-            if t.numel() != torch.Size(md.shape).numel():
-                raise ValueError(f"binary post-op operand has shape {tuple(t.shape)}, expected {md.shape}")
             keep.append(t)
             tensors[arg] = t
         if self.src_scale is not None:
@@ -355,10 +389,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         if bias.numel() != b.shape[-1]:
             raise ValueError(f"bias has {bias.numel()} elements, expected {b.shape[-1]}")
         bias = bias.reshape((1,) * (len(dst_shape) - 1) + (-1,)).contiguous()
+    if any(p.kind in ("add", "mul") for p in post_ops):
+        raise ValueError("functional matmul supports eltwise and sum post-ops only; use Matmul for binary ones")
     if out is None:
+        if any(p.kind == "sum" for p in post_ops):
+            raise ValueError("a 'sum' post-op accumulates into out=: pass the tensor to add to")
         out = torch.empty(dst_shape, dtype=a.dtype)
-    elif tuple(out.shape) != dst_shape or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous with shape {dst_shape}")
+    else:
+        _check_out(out, dst_shape, a.dtype, a, b, bias)
     if out.numel() == 0:
         return out
     l = L.lib()
@@ -378,8 +416,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         return comp
 
     comp = CACHE.get_or_create(key, create)
-    if any(p.kind in ("add", "mul") for p in post_ops):
-        raise ValueError("functional matmul supports eltwise and sum post-ops only; use Matmul for binary ones")
     tensors = {l.DNNL_ARG_SRC: a, l.DNNL_ARG_WEIGHTS: b, l.DNNL_ARG_DST: out}
     if bias is not None:
         tensors[l.DNNL_ARG_BIAS] = bias
@@ -525,8 +561,17 @@ class Conv2d:
             if any(p.kind == "sum" for p in self.post_ops):
                 raise ValueError("a 'sum' post-op accumulates into out=: pass the tensor to add to")
             out = torch.empty(N, self.O, oh, ow, dtype=self.dtype, memory_format=fmt)
-        elif tuple(out.shape) != (N, self.O, oh, ow) or out.dtype != self.dtype or not out.is_contiguous(memory_format=fmt):
-            raise ValueError(f"out must be a {self.dtype} tensor of shape {(N, self.O, oh, ow)} in the input's memory format")
+        else:
+            _check_out(out, (N, self.O, oh, ow), self.dtype, src, *binary, memory_format=fmt)
+        bin_ops = [p for p in self.post_ops if p.kind in ("add", "mul")]
+        if len(binary) != len(bin_ops):
+            raise ValueError(f"this conv has {len(bin_ops)} binary post-op(s); got {len(binary)} tensor(s)")
+        for i, (t, op) in enumerate(zip(binary, bin_ops)):
+            _check_tensor(t, f"binary[{i}]")
+            want = (1,) * (4 - len(op.shape)) + tuple(op.shape)  # as _Attr declared it
+            if _strip_leading_ones(t.shape) != _strip_leading_ones(want):
+                raise ValueError(f"binary[{i}] has shape {tuple(t.shape)}; the {op.kind} post-op was declared "
+                                 f"for {tuple(op.shape) or '(a scalar)'}")
         if out.numel() == 0:
             return out
         key = ("conv2d", tuple(src.shape), src.stride(), tuple(out.shape), out.stride(), self._wshape, self.stride,
@@ -539,15 +584,9 @@ class Conv2d:
         if self.bias is not None:
             tensors[l.DNNL_ARG_BIAS] = self.bias
         bargs = comp._attr.binary_args
-        if len(binary) != len(bargs):
-            raise ValueError(f"this conv has {len(bargs)} binary post-op(s); got {len(binary)} tensor(s)")
         keep = []
         for (arg, md), t in zip(bargs, binary):
-            t = t.to(md.dtype)
-            if tuple(t.shape) == tuple(out.shape):
-                t = t.contiguous(memory_format=fmt)
-                # binary md was declared plain; only plain/channels-last same-shape operands are exact
-            keep.append(t.contiguous())
+            keep.append(t.to(md.dtype).contiguous())  # the binary md is plain (row-major) of the declared shape
             tensors[arg] = keep[-1]
         comp.run(tensors)
         return out

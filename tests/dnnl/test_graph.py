@@ -75,3 +75,29 @@ def test_unknown_op_and_attr():
         g.op("Frobnicate", [x], [x])
     with pytest.raises(ValueError, match="unknown oneDNN Graph attribute"):
         g.op("ReLU", [x], [g.tensor((2,), torch.float32)], wibble=1)
+
+
+def test_compiled_partition_checks_the_outputs_it_is_given():
+    g = Graph()
+    x = g.tensor((4, 8), torch.float32)
+    y = g.tensor((4, 8), torch.float32)
+    g.op("ReLU", [x], [y])
+    (p,) = g.partitions()
+    cp = p.compile()
+    inp = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="expected 1 outputs, got 0"):
+        cp([inp], [])  # would leave a stale handle bound
+    with pytest.raises(ValueError, match="expected 1 outputs, got 2"):
+        cp([inp], [torch.empty(4, 8), torch.empty(4, 8)])  # read past the handle array
+    with pytest.raises(ValueError, match="output 0 is"):
+        cp([inp], [torch.empty(2, 8)])  # too small: oneDNN would write 32 floats into 16
+    with pytest.raises(ValueError, match="output 0 is"):
+        cp([inp], [torch.empty(4, 8, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="output 0 is"):
+        cp([inp], [torch.empty(8, 4).t()])  # another stride
+    with pytest.raises(ValueError, match="shares memory with input 0"):
+        cp([inp], [inp])
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        cp([inp], [None])
+    out = torch.full((4, 8), 7.0)
+    assert cp([inp], [out])[0] is out and torch.equal(out, inp.relu())

@@ -239,3 +239,62 @@ def test_oneDNN_status_becomes_named_exception():
     with pytest.raises(DnnlError, match="dnnl_invalid_arguments") as e:
         MemoryDesc.strided((2, 3), torch.float32, strides=(-1, 1))
     assert e.value.status == "dnnl_invalid_arguments"
+
+
+# ------------------------------------------------------------------ out= buffers and operands the binding must refuse
+
+def test_functional_matmul_refuses_wrong_out_dtype_sum_without_out_and_overlap():
+    a, b = torch.randn(4, 8), torch.randn(8, 6)
+    for bad in (torch.empty(4, 6, dtype=torch.bfloat16), torch.empty(4, 6, dtype=torch.int8),
+                torch.empty(4, 6, dtype=torch.float64)):
+        with pytest.raises(TypeError, match="out has dtype"):
+            P.matmul(a, b, out=bad)  # fp32 bytes into a 2-byte or 1-byte buffer: a heap overflow once
+    with pytest.raises(ValueError, match="shape"):
+        P.matmul(a, b, out=torch.empty(4, 5))
+    with pytest.raises(ValueError, match="contiguous"):
+        P.matmul(a, b, out=torch.empty(6, 4).t())
+    with pytest.raises(ValueError, match="sum"):
+        P.matmul(a, b, post_ops=[P.PostOp("sum")])  # would add into uninitialised memory
+    sq = torch.randn(6, 6)
+    with pytest.raises(ValueError, match="shares memory with input 0"):
+        P.matmul(sq, torch.randn(6, 6), out=sq)
+    out = torch.randn(4, 6)
+    ref = a @ b + out
+    P.matmul(a, b, post_ops=[P.PostOp("sum")], out=out)
+    assert rel(out, ref) < 1e-5
+
+
+def test_layer_matmul_and_conv_refuse_bad_out_and_binary_operands():
+    mm = P.Matmul(torch.randn(8, 6), post_ops=[P.PostOp("add", shape=(1, 6))])
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match="out has dtype"):
+        mm(x, out=torch.empty(4, 6, dtype=torch.bfloat16), binary=[torch.randn(6)])
+    with pytest.raises(ValueError, match="binary post-op operand has shape"):
+        mm(x, binary=[torch.randn(4, 6)])  # a full matrix where one row was declared
+    with pytest.raises(ValueError, match="1 binary post-op"):
+        mm(x)
+    conv = P.Conv2d(torch.randn(4, 3, 3, 3), padding=1, post_ops=[P.PostOp("add", shape=(1, 4, 1, 1))])
+    img = torch.randn(1, 3, 6, 6)
+    with pytest.raises(ValueError, match=r"binary\[0\] has shape"):
+        conv(img, binary=[torch.randn(1, 4, 6, 6)])  # was not size-checked: read past a 4-value buffer
+    with pytest.raises(ValueError, match="1 binary post-op"):
+        conv(img)
+    with pytest.raises(TypeError, match="out has dtype"):
+        conv(img, out=torch.empty(1, 4, 6, 6, dtype=torch.bfloat16), binary=[torch.randn(1, 4, 1, 1)])
+    bias = torch.randn(1, 4, 1, 1)
+    with torch.no_grad():
+        ref = F.conv2d(img, conv._packed.src, padding=1) + bias
+    assert rel(conv(img, binary=[bias]), ref) < 1e-5
+
+
+def test_operands_whose_memory_does_not_hold_their_values_are_refused():
+    w = torch.randn(8, 6)
+    mm = P.Matmul(w)
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="negated"):
+        mm(torch._neg_view(x))
+    with pytest.raises(ValueError, match="dense"):
+        mm(x.to_sparse())
+    with pytest.raises(TypeError, match="quantized"):
+        P.matmul(torch.quantize_per_tensor(x, 0.1, 0, torch.qint8), torch.randn(8, 2))
+    assert rel(mm(torch._neg_view(x).resolve_neg()), -(x @ w)) < 1e-5
