@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from .dnnl import graph as G
-from .lowering import VIEW_OPS, LoweredGraph
+from .lowering import LoweredGraph
 
 aten = torch.ops.aten
 
@@ -79,13 +79,25 @@ class PartitionStep:
         return self.partition.op_kinds
 
 
-def _inplace(target) -> bool:
-    name = getattr(getattr(target, "_schema", None), "name", "") or ""
-    return name.endswith("_") and not name.endswith("__")
+def may_alias_inputs(n: torch.fx.Node) -> bool:
+    """Can ``n``'s output share memory with one of its inputs? Decided by the op's schema, not by a
+    list of view ops: a return with an alias annotation (``Tensor(a)``: narrow, movedim, expand,
+    unfold, as_strided, view.dtype, tensor_split, contiguous, in-place ops ...) may alias. Calls
+    without a schema (Python functions, getitem of a tuple of views) are assumed to."""
+    if n.op != "call_function":
+        return n.op in ("call_method", "call_module")
+    if n.target is operator.getitem:
+        return True
+    schema = getattr(n.target, "_schema", None)
+    if schema is None:
+        return True
+    return any(r.alias_info is not None for r in schema.returns)
 
 
 def _escaping(gm: torch.fx.GraphModule) -> set:
-    """Nodes whose storage can reach the caller: graph outputs and what they view."""
+    """Nodes whose storage can reach the caller: graph outputs and everything they may alias,
+    transitively. A partition output in this set gets a fresh buffer on every call; the others
+    reuse theirs (no caller can see them)."""
     out = set()
     stack = []
     for n in gm.graph.nodes:
@@ -96,7 +108,7 @@ def _escaping(gm: torch.fx.GraphModule) -> set:
         if n in out:
             continue
         out.add(n)
-        if n.op == "call_function" and (n.target in VIEW_OPS or _inplace(n.target)):
+        if may_alias_inputs(n):
             stack += n.all_input_nodes
     return out
 
