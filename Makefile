@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.cpu_opt-installed
 # Anything that changes what `pip install -e .` builds (the native kernels, the oneDNN cdef).
 BUILD_INPUTS := pyproject.toml setup.py cpu_opt/dnnl/cdefgen.py $(wildcard native/*.py native/*.c native/*.h native/kernels/*)
 
-.PHONY: setup demo test test-fast test-arm64 bench info calibrate fuzz clean
+.PHONY: setup demo test test-fast test-arm64 bench info calibrate fuzz test-asan clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: setup
 
 calibrate: setup
 	$(PY) -m cpu_opt calibrate
+
+# The native kernels rebuilt with AddressSanitizer + UBSan, and the kernel and binding tests run on them.
+test-asan: setup
+	$(PY) native/sanitize.py $(ARGS)
 
 # The fuzz tests with random cases, many of them (make test runs them derandomized and bounded).
 FUZZ_EXAMPLES ?= 2000

@@ -7,6 +7,7 @@ turns a non-zero status into :class:`cpu_opt.errors.NativeKernelError`.
 from __future__ import annotations
 
 import functools
+import os
 
 from .platform import hw
 from .errors import NativeKernelError
@@ -31,6 +32,18 @@ STATUS_NAMES = {0: "CO_OK", -1: "CO_ERR_INDEX_OUT_OF_RANGE", -2: "CO_ERR_BAD_ARG
 def _module():
     import torch  # noqa: F401  - load torch's libgomp first so the kernels share its OpenMP runtime
 
+    path = os.environ.get("CPU_OPT_NATIVE_PATH")
+    if path:  # another build of the same sources, e.g. the sanitized one of `make test-asan`
+        import importlib.machinery
+        import importlib.util
+        import sys
+
+        loader = importlib.machinery.ExtensionFileLoader("cpu_opt._native", path)
+        spec = importlib.util.spec_from_file_location("cpu_opt._native", path, loader=loader)
+        mod = importlib.util.module_from_spec(spec)
+        loader.exec_module(mod)
+        sys.modules["cpu_opt._native"] = mod
+        return mod
     try:
         from . import _native
     except ImportError as e:  # pragma: no cover - broken install
@@ -38,6 +51,11 @@ def _module():
             "cpu_opt._native is not built; reinstall cpu_opt (pip install -e .) with a C compiler present"
         ) from e
     return _native
+
+
+def module_path() -> str:
+    """The file the native kernels were loaded from."""
+    return _module().__file__
 
 
 def ffi():

@@ -34,7 +34,12 @@ def expand_api(text: str, variant: str) -> str:
     return "\n".join(out)
 
 
-def make_builder() -> FFI:
+# `make test-asan` builds a second copy with these (CPU_OPT_SANITIZE=1, see native/sanitize.py)
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined",
+                  "-g"]
+
+
+def make_builder(sanitize: bool = False) -> FFI:
     api = (HERE / "api.h").read_text()
     cdef = "\n".join(expand_api(api, v) for v in variants_for_machine())
     cdef += ("\nconst char *co_native_variants(void);\nint co_advise_hugepages(void *p, int64_t nbytes);\n"
@@ -45,9 +50,9 @@ def make_builder() -> FFI:
         "cpu_opt._native",
         '#include "variants.c"\n',
         include_dirs=[str(HERE)],
-        extra_compile_args=["-O3", "-fopenmp", "-std=gnu11", "-fno-strict-aliasing",
-                            "-Wno-unused-function", "-Wno-unknown-pragmas"],
-        extra_link_args=["-fopenmp"],
+        extra_compile_args=["-O3" if not sanitize else "-O1", "-fopenmp", "-std=gnu11", "-fno-strict-aliasing",
+                            "-Wno-unused-function", "-Wno-unknown-pragmas"] + (SANITIZE_FLAGS if sanitize else []),
+        extra_link_args=["-fopenmp"] + (SANITIZE_FLAGS if sanitize else []),
     )
     return ffibuilder
 

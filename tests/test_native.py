@@ -156,3 +156,14 @@ def test_a_vm_that_masks_one_flag_gets_the_lower_variant(masked):
     assert masked not in info.isa and "avx2" in info.isa
     assert native.select_variant(info) == "base"
     assert native.select_variant(hw.build_info(fix.read_text())) == "avx2"
+
+
+def test_sanitized_build_is_the_one_loaded_under_make_test_asan():
+    """`make test-asan` must really run the sanitized kernels, not the installed ones."""
+    import os
+
+    if os.environ.get("CPU_OPT_EXPECT_SANITIZED"):
+        assert native.module_path() == os.environ["CPU_OPT_NATIVE_PATH"]
+        assert "asan" in native.module_path()
+    else:
+        assert "CPU_OPT_NATIVE_PATH" not in os.environ or native.module_path() == os.environ["CPU_OPT_NATIVE_PATH"]
