@@ -77,8 +77,9 @@ def capture(model: torch.nn.Module, example_inputs, *, dynamic_shapes=None, eage
         raise TypeError(f"example inputs must be tensors (in tuples/dicts); got {bad}")
     notes = []
     if eager_output is None:
-        with torch.no_grad():
-            eager_output = model(*args, **kwargs)
+        with torch.no_grad():  # on copies: a model may write into its inputs
+            a, k = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+            eager_output = model(*a, **k)
     out = eager_output
     flat_out, out_spec = pytree.tree_flatten(out)
     try:
@@ -141,8 +142,8 @@ def _propagate_shapes(gm: torch.fx.GraphModule, flat_in) -> None:
         return
     except Exception:  # noqa: BLE001 - fall back to the exact, slower way
         pass
-    with torch.no_grad():
-        _MetaRecorder(gm).run(*flat_in)
+    with torch.no_grad():  # on copies of the inputs (the graph may write into them)
+        _MetaRecorder(gm).run(*[t.clone() if isinstance(t, torch.Tensor) else t for t in flat_in])
 
 
 class _MetaRecorder(torch.fx.Interpreter):

@@ -360,6 +360,7 @@ def lower(gm: torch.fx.GraphModule, dtype: str) -> LoweredGraph:
     ctx = Ctx(gm, g, dtype)
     fallbacks, views, attention, routed = {}, [], [], []
     routes = {w: routing.route(w, dtype) for w in ("gemm", "conv", "attention")}
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr"):
             continue
@@ -375,6 +376,8 @@ def lower(gm: torch.fx.GraphModule, dtype: str) -> LoweredGraph:
             continue
         fn = LOWERINGS.get(n.target) if n.op == "call_function" else None
         reason = None
+        if fn is not None and (why := _inplace_hazard(n, pos)) is not None:
+            reason, fn = why, None
         work = WORK_OF.get(n.target) if chosen is None else None  # routed linear layers are decided
         if fn is not None and work is not None and routes[work].backend != "onednn":
             reason = f"routed to {routes[work].backend}: {routes[work].why}"
@@ -407,6 +410,23 @@ def lower(gm: torch.fx.GraphModule, dtype: str) -> LoweredGraph:
             continue
         parts.append((p, nodes))
     return LoweredGraph(parts, fallbacks, views, attention, ctx, routed)
+
+
+def _inplace_hazard(n: torch.fx.Node, pos: dict) -> str | None:
+    """Why an in-place op must stay in torch, or None when running it out of place is the same.
+    oneDNN Graph ops write new tensors; that equals the in-place op only if nobody can see the
+    tensor it writes into: not a model input, parameter or buffer (the caller or the next call would
+    see the write), and no other node reading it after the write."""
+    from .passes import storage_root, writes_in_place
+
+    for w in writes_in_place(n):
+        root = storage_root(w)
+        if root.op in ("placeholder", "get_attr"):
+            what = "a model input" if root.op == "placeholder" else "a parameter or buffer"
+            return f"writes into {what} ({root.name}) in place: kept in torch, so the write happens"
+        if w is not root or any(u is not n and pos.get(u, -1) > pos[n] for u in w.users):
+            return f"writes in place into {w.name}, which is read elsewhere: kept in torch for its aliasing"
+    return None
 
 
 def _flatten(a):

@@ -54,6 +54,9 @@ def drop_dropout(gm: torch.fx.GraphModule) -> list[str]:
 
 def remove_noops(gm: torch.fx.GraphModule) -> list[str]:
     removed = 0
+    # a copy that an in-place op writes into (or whose source one writes into) is what keeps the
+    # two apart: it is not a no-op, whatever its shape
+    written = {storage_root(w) for n in gm.graph.nodes for w in writes_in_place(n)}
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue
@@ -68,6 +71,9 @@ def remove_noops(gm: torch.fx.GraphModule) -> list[str]:
         if not same:
             continue
         fmt = n.kwargs.get("memory_format")
+        copies = n.target in IDENTITY_LIKE or n.target in (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout)
+        if copies and (n in written or (isinstance(src, torch.fx.Node) and storage_root(src) in written)):
+            continue
         if n.target in VIEW_LIKE or (n.target in IDENTITY_LIKE and fmt in (None, torch.preserve_format)) \
                 or n.target in (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout):
             _replace(n, src)
@@ -185,18 +191,66 @@ _NONDETERMINISTIC = {aten.rand.default, aten.randn.default, aten.randint.low, at
                      aten.empty.memory_format, aten.empty_like.default}
 
 
+def writes_in_place(n: torch.fx.Node) -> list[torch.fx.Node]:
+    """The argument nodes ``n`` writes into (in-place ops, ``out=`` variants, ``copy_``): the schema
+    arguments annotated ``Tensor(a!)``. Empty for everything else."""
+    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        v = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+        if isinstance(v, torch.fx.Node):
+            out.append(v)
+    return out
+
+
+def storage_root(n: torch.fx.Node) -> torch.fx.Node:
+    """The node whose storage ``n`` may view: follows ops whose schema says the output aliases
+    their first input (views, in-place ops) back to where the memory was made."""
+    seen = set()
+    while n.op == "call_function" and n not in seen:
+        seen.add(n)
+        schema = getattr(n.target, "_schema", None)
+        if schema is None or not any(r.alias_info is not None for r in schema.returns):
+            break
+        src = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
+        if src is None:
+            break
+        n = src
+    return n
+
+
+def mutated_state(gm: torch.fx.GraphModule) -> set:
+    """Placeholders and get_attr nodes (model inputs, parameters, buffers) the graph writes into."""
+    out = set()
+    for n in gm.graph.nodes:
+        for w in writes_in_place(n):
+            root = storage_root(w)
+            if root.op in ("placeholder", "get_attr"):
+                out.add(root)
+    return out
+
+
 def fold_constants(gm: torch.fx.GraphModule) -> list[str]:
-    """Evaluate nodes whose inputs are all parameters/buffers/literals, once."""
+    """Evaluate nodes whose inputs are all parameters/buffers/literals, once. A buffer the graph
+    writes into (a running count, a cache) is state, not a constant: nothing reading it is folded,
+    and no in-place op is ever evaluated here (it would write into the model's own tensors)."""
     const: dict[torch.fx.Node, object] = {}
+    state = mutated_state(gm)
     folded = 0
     for n in list(gm.graph.nodes):
         if n.op == "get_attr":
+            if n in state:
+                continue
             try:
                 const[n] = _get_param(gm, n)
             except Exception:
                 pass
             continue
-        if n.op != "call_function" or n.target in _NONDETERMINISTIC or n.target in ASSERTS:
+        if n.op != "call_function" or n.target in _NONDETERMINISTIC or n.target in ASSERTS or writes_in_place(n):
             continue
         inputs = n.all_input_nodes
         if not inputs or not all(i in const for i in inputs):

@@ -7,6 +7,7 @@ fused, what fell back to torch and why, the route of each partition, and the dty
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 import threading
 import time
 import warnings
@@ -23,6 +24,33 @@ from .errors import CpuOptError
 
 aten = torch.ops.aten
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class _KeptState:
+    """The model's buffers as they were, put back after every run optimize makes on its own (the
+    eager reference, the plan's first run, autotune's timings): a model that updates a buffer in
+    forward (a step counter, a cache) has it updated by the user's calls only."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._saved = [(b, b.detach().clone()) for b in model.buffers()]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for b, v in self._saved:
+                if b.shape == v.shape and b.dtype == v.dtype:
+                    b.copy_(v)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.restore()
+        return False
+
+
+def _copies(tree):
+    """The same structure with every tensor cloned (models may write into their inputs)."""
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
 
 
 def _resolve_dtype(dtype: str) -> str:
@@ -134,6 +162,7 @@ def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbo
     from .runtime import build_program
 
     t0 = time.perf_counter()
+    kept = _KeptState(gm)  # shape propagation may fall back to a real run, which updates buffers
     if not shapes_known:  # a re-plan of a dynamic capture for new input shapes
         _propagate_shapes(gm, flat_in)
     log = passes.run_passes(gm)
@@ -174,11 +203,14 @@ def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbo
         program, steps = build_program(gm, lowered, channels_last=cl)
     else:
         program, steps = gm, []
+    kept.restore()
     with torch.no_grad():
-        first = program(*flat_in)  # compiles every partition for these shapes, allocates buffers
+        # compiles every partition for these shapes, allocates buffers; on copies, so a model that
+        # writes into its inputs does not write into the caller's (the real call runs it once more)
+        first = program(*_copies(flat_in))
     progress.step("compile partitions")
     plan = Plan(program, steps, lowered, log, time.perf_counter() - t0)
-    plan.first_output = first if shapes_known else None
+    plan.first_output = first  # the caller validates it (or drops it)
     return plan
 
 
@@ -189,8 +221,10 @@ class OptimizedModule(torch.nn.Module):
         super().__init__()
         self._model = [model]  # not a submodule: its parameters are not ours
         self._captured = captured
-        self._plans = {_signature(flat_in): plan}
+        self._base_sig = _signature(flat_in)
+        self._plans: OrderedDict = OrderedDict({self._base_sig: plan})  # LRU; the example's plan stays
         self._base_plan = plan
+        self._shape_checks: dict = {}  # signature -> validation of the plan made for a new shape
         self.dtype = dtype
         self._options = options
         self._validation = None
@@ -210,6 +244,10 @@ class OptimizedModule(torch.nn.Module):
         plan = self._plans.get(sig)
         if plan is None:
             plan = self._new_shape(args, kwargs, flat, sig)
+        elif len(self._plans) > 1:
+            with self._lock:
+                if sig in self._plans:
+                    self._plans.move_to_end(sig)
         with torch.no_grad():
             out = plan.program(*flat)
         return pytree.tree_unflatten(list(out), self._captured.out_spec)
@@ -226,27 +264,59 @@ class OptimizedModule(torch.nn.Module):
             if sig in self._plans:
                 return self._plans[sig]
             model = self._model[0]
-            if self._options.get("pristine") is not None:
-                gm = copy.deepcopy(self._options["pristine"])
-                try:
-                    plan = _build_plan(gm, flat, self.dtype, self._options["out_dtypes"], False,
-                                       Progress(False, 4, ""), use_onednn=self._options["use_onednn"],
-                                       shapes_known=False, measure=self._options.get("autotune", False))
-                except Exception as e:  # noqa: BLE001
-                    raise CpuOptError(f"new input shapes {[s for s, _ in sig]}: re-planning the dynamic "
-                                      f"graph failed: {e}") from e
-                self._plans[sig] = plan
-                return plan
+            was_training = model.training
+            model.eval()  # a model optimized in train mode is still planned (and compared) in eval mode
             try:
-                # example inputs are either positional or keyword (flatten_inputs), never both
-                cap = capture(model, kwargs if kwargs else args)
-            except CaptureError as e:
-                raise CpuOptError(f"new input shapes {[s for s, _ in sig]}: re-capture failed: {e}") from e
-            plan = _build_plan(cap.gm, flat, self.dtype, self._options["out_dtypes"], False, Progress(False, 4, ""),
-                               use_onednn=self._options["use_onednn"], measure=self._options.get("autotune", False))
+                with _KeptState(model):  # planning's own runs leave the model's buffers as they were
+                    plan = self._plan_for(model, args, kwargs, flat, sig)
+                    if self._options.get("validate", True):
+                        plan = self._validated(model, plan, args, kwargs, flat, sig)
+            finally:
+                if was_training:
+                    model.train()
             plan.first_output = None
             self._plans[sig] = plan
+            limit = self._options.get("max_shapes") or 0
+            while limit and len(self._plans) > limit:  # least recently used first; never the example's
+                old_sig = next(s for s in self._plans if s != self._base_sig)
+                del self._plans[old_sig]
+                self._shape_checks.pop(old_sig, None)
             return plan
+
+    def _plan_for(self, model, args, kwargs, flat, sig) -> Plan:
+        if self._options.get("pristine") is not None:
+            gm = copy.deepcopy(self._options["pristine"])
+            try:
+                return _build_plan(gm, flat, self.dtype, self._options["out_dtypes"], False,
+                                   Progress(False, 4, ""), use_onednn=self._options["use_onednn"],
+                                   shapes_known=False, measure=self._options.get("autotune", False))
+            except Exception as e:  # noqa: BLE001
+                raise CpuOptError(f"new input shapes {[s for s, _ in sig]}: re-planning the dynamic "
+                                  f"graph failed: {e}") from e
+        try:
+            # example inputs are either positional or keyword (flatten_inputs), never both
+            cap = capture(model, kwargs if kwargs else args)
+        except CaptureError as e:
+            raise CpuOptError(f"new input shapes {[s for s, _ in sig]}: re-capture failed: {e}") from e
+        return _build_plan(cap.gm, flat, self.dtype, self._options["out_dtypes"], False, Progress(False, 4, ""),
+                           use_onednn=self._options["use_onednn"], measure=self._options.get("autotune", False))
+
+    def _validated(self, model, plan: Plan, args, kwargs, flat, sig) -> Plan:
+        """Compare a new shape's plan with eager on the call that asked for it (one eager run per new
+        shape); on a mismatch that shape runs in torch, and the report says so."""
+        if not plan.steps or plan.first_output is None:
+            return plan
+        with torch.no_grad():
+            a, k = _copies((args, kwargs))
+            ref = model(*a, **k)
+        res = _compare(pytree.tree_unflatten(list(plan.first_output), self._captured.out_spec), ref, self.dtype)
+        if not res["ok"]:
+            cap = capture(model, kwargs if kwargs else args, eager_output=ref)
+            plan = _build_plan(cap.gm, flat, self.dtype, self._options["out_dtypes"], False, Progress(False, 4, ""),
+                               use_onednn=False)
+            res["fell_back"] = "outputs differed from eager at this shape; it runs in torch"
+        self._shape_checks[sig] = res
+        return plan
 
     # ------------------------------------------------------------------ reporting
     def report(self) -> dict:
@@ -276,6 +346,7 @@ class OptimizedModule(torch.nn.Module):
             "attention": attention,
             "views_in_torch": views,
             "shapes_compiled": len(self._plans),
+            "shape_validation": [{"shapes": [list(s) for s, _ in sig], **res} for sig, res in self._shape_checks.items()],
             "optimize_seconds": round(plan.seconds, 3),
             "validation": self._validation,
             "autotune": self._autotune,
@@ -365,8 +436,11 @@ def _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options) -> O
     return chosen
 
 
+MAX_SHAPES = 32  # plans kept per optimized model (LRU; the example's plan is never evicted)
+
+
 def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dynamic=None, autotune: bool = False,
-             verbose: bool = False, validate: bool = True) -> OptimizedModule:
+             verbose: bool = False, validate: bool = True, max_shapes: int = MAX_SHAPES) -> OptimizedModule:
     """Optimize ``model`` for this CPU.
 
     ``example_inputs``: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
@@ -379,10 +453,14 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     plan against the same graph run in torch on the example inputs and keeps the faster.
     ``verbose``: print progress and the report. ``validate``: compare
     with eager on the example inputs and fall back to torch for the whole graph if the result
-    differs (fp32: 1e-3 relative; bf16: cosine 0.99) — never silently wrong.
+    differs (fp32: 1e-3 relative; bf16: cosine 0.99) — never silently wrong; each new shape is
+    compared once too, on its first call. ``max_shapes``: how many input shapes keep a compiled
+    plan (least recently used evicted first, the example's kept; 0 = no bound).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 0:
+        raise ValueError(f"max_shapes must be an int >= 0, got {max_shapes!r}")
     dt = _resolve_dtype(dtype)
     info = hw.detect()
     if info.arch == "aarch64":
@@ -400,18 +478,41 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     model.eval()
     progress = Progress(verbose, 5, f"cpu_opt.optimize({type(model).__name__})")
     t0 = time.perf_counter()
+    try:
+        with _KeptState(model) as state:
+            opt = _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbose, validate, max_shapes,
+                            progress, state)
+    finally:
+        if was_training:
+            model.train()
+    progress.done()
+    opt._base_plan.seconds = time.perf_counter() - t0
+    for p in opt._plans.values():
+        p.first_output = None  # do not keep the example's outputs alive
+    if verbose:
+        opt.print_report()
+    return opt
+
+
+def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbose, validate, max_shapes, progress,
+              state: _KeptState) -> OptimizedModule:
     with torch.no_grad():
-        ref = model(*args, **kwargs)
+        a, k = _copies((args, kwargs))  # the reference must not write into the user's example inputs
+        ref = model(*a, **k)
+    state.restore()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         captured = capture(model, example_inputs, dynamic_shapes=_dynamic_shapes(example_inputs, dynamic),
                            eager_output=ref)
+    state.restore()
     progress.step("capture")
     flat_in = pytree.tree_leaves((args, kwargs))
     out_dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(ref)]
     options = {"out_dtypes": out_dtypes, "use_onednn": True, "dynamic": bool(dynamic), "autotune": bool(autotune),
-               "pristine": copy.deepcopy(captured.gm) if dynamic else None}
+               "pristine": copy.deepcopy(captured.gm) if dynamic else None, "validate": bool(validate),
+               "max_shapes": max_shapes}
     plan = _build_plan(captured.gm, flat_in, dt, out_dtypes, verbose, progress, measure=bool(autotune))
+    state.restore()
     opt = OptimizedModule(model, captured, plan, dt, flat_in, options)
     if validate:
         out = pytree.tree_unflatten(list(plan.first_output), captured.out_spec)
@@ -422,17 +523,10 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
             cap2 = capture(model, example_inputs, eager_output=ref)
             options["use_onednn"] = False
             plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False)
+            state.restore()
             opt = OptimizedModule(model, cap2, plan2, dt, flat_in, options)
             res["fell_back"] = "outputs differed from eager; the whole graph now runs in torch"
         opt._validation = res
     if autotune and opt._base_plan.steps:
         opt = _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options)
-    progress.done()
-    opt._base_plan.seconds = time.perf_counter() - t0
-    for p in opt._plans.values():
-        p.first_output = None  # do not keep the example's outputs alive
-    if was_training:
-        model.train()
-    if verbose:
-        opt.print_report()
     return opt

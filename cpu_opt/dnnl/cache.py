@@ -18,12 +18,16 @@ from typing import Callable, Hashable
 
 @dataclass
 class CacheStats:
+    """Counters that add up: every lookup is a hit or a miss; every miss created the object, waited
+    for another thread creating the same key (``shared``), or failed (``failures``)."""
     hits: int
     misses: int
     creations: int
     evictions: int
     size: int
     capacity: int
+    shared: int = 0
+    failures: int = 0
 
 
 class PrimitiveCache:
@@ -36,7 +40,7 @@ class PrimitiveCache:
         # One lock per key being created, so two threads asking for the same new primitive
         # create it once, while different keys are created concurrently.
         self._creating: dict[Hashable, threading.Lock] = {}
-        self.hits = self.misses = self.creations = self.evictions = 0
+        self.hits = self.misses = self.creations = self.evictions = self.shared = self.failures = 0
 
     @property
     def capacity(self) -> int:
@@ -66,8 +70,16 @@ class PrimitiveCache:
             with self._lock:
                 if key in self._items:  # created by another thread meanwhile
                     self._items.move_to_end(key)
+                    self.shared += 1
                     return self._items[key]
-            obj = factory()
+            try:
+                obj = factory()
+            except BaseException:
+                with self._lock:
+                    self.failures += 1
+                    if self._creating.get(key) is klock:  # the next caller tries afresh
+                        self._creating.pop(key, None)
+                raise
             with self._lock:
                 self.creations += 1
                 if self._capacity > 0:
@@ -82,11 +94,12 @@ class PrimitiveCache:
 
     def reset_stats(self) -> None:
         with self._lock:
-            self.hits = self.misses = self.creations = self.evictions = 0
+            self.hits = self.misses = self.creations = self.evictions = self.shared = self.failures = 0
 
     def stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats(self.hits, self.misses, self.creations, self.evictions, len(self._items), self._capacity)
+            return CacheStats(self.hits, self.misses, self.creations, self.evictions, len(self._items), self._capacity,
+                              self.shared, self.failures)
 
     def __len__(self) -> int:
         return len(self._items)

@@ -1,0 +1,210 @@
+"""Models that do unusual things: each is optimized with eager's semantics, or runs with the
+reason reported, or gets a clear error — never a wrong answer, a crash, or a changed input."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cpu_opt
+from cpu_opt.capture import CaptureError
+from optimize_testutil import onednn_graph_used
+
+
+def _close(a, b, tol=1e-4):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item() < tol
+
+
+class WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.add_(1.0)
+        return self.fc(x)
+
+
+def test_a_model_that_writes_into_its_input_does_so_once_per_call_and_not_during_optimize():
+    m = WritesItsInput().eval()
+    example = torch.randn(2, 8)
+    kept = example.clone()
+    opt = cpu_opt.optimize(m, example, dtype="fp32")
+    assert torch.equal(example, kept)  # optimize's own runs used copies
+    x = torch.randn(2, 8)
+    xe = x.clone()
+    y = opt(x)
+    ye = m(xe)
+    assert torch.equal(x, xe), "the optimized model must write into its input as eager does, once"
+    assert _close(y, ye.detach())
+    if onednn_graph_used():
+        fb = {f["node"]: f["reason"] for f in opt.report()["fallbacks"]}
+        assert any("writes into a model input" in r for r in fb.values()), fb
+        x3 = torch.randn(5, 8)  # a new shape: planned and validated on copies, run once
+        x3e = x3.clone()
+        assert _close(opt(x3), m(x3e).detach()) and torch.equal(x3, x3e)
+
+
+class CountsCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("count", torch.zeros(8))
+
+    def forward(self, x):
+        self.count.add_(1.0)
+        return self.fc(x) + self.count
+
+
+def test_a_model_that_updates_a_buffer_keeps_eager_state_semantics():
+    m = CountsCalls().eval()
+    twin = copy.deepcopy(m)
+    opt = cpu_opt.optimize(m, torch.randn(2, 8), dtype="fp32")
+    assert torch.equal(m.count, torch.zeros(8))  # optimize's runs left the state as it was
+    assert opt.report()["validation"]["ok"]
+    for rows in (2, 2, 4, 2):
+        x = torch.randn(rows, 8)
+        assert _close(opt(x), twin(x).detach())
+        assert torch.equal(m.count, twin.count)  # one update per call, no more
+    if onednn_graph_used():
+        assert opt.report()["num_partitions"] >= 1
+        assert any("parameter or buffer" in f["reason"] for f in opt.report()["fallbacks"])
+
+
+class InPlaceOnAShared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h2 = h.clone()  # not a no-op: it keeps the in-place add below away from h
+        h2.add_(1.0)
+        return h2 * 2, h
+
+
+def test_in_place_on_a_copy_of_a_tensor_read_later_keeps_them_apart():
+    m = InPlaceOnAShared().eval()
+    x = torch.randn(3, 8)
+    opt = cpu_opt.optimize(m, x, dtype="fp32")
+    a, b = opt(x)
+    ra, rb = m(x)
+    assert _close(a, ra.detach()) and _close(b, rb.detach())
+    assert opt.report()["validation"]["ok"]
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-1, 1)
+            self.bn.running_var.uniform_(0.5, 2)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+def test_a_model_optimized_in_train_mode_is_planned_in_eval_mode_at_new_shapes_too():
+    m = WithBatchNorm().train()
+    opt = cpu_opt.optimize(m, torch.randn(2, 3, 8, 8), dtype="fp32")
+    assert m.training  # the user's mode is restored
+    stats = (m.bn.running_mean.clone(), m.bn.running_var.clone())
+    x = torch.randn(5, 3, 10, 10)  # a new shape: re-captured, which used to happen in train mode
+    y = opt(x)
+    m.eval()
+    assert _close(y, m(x).detach())
+    assert torch.equal(m.bn.running_mean, stats[0]) and torch.equal(m.bn.running_var, stats[1])
+    checks = opt.report()["shape_validation"]
+    assert len(checks) == 1 and checks[0]["ok"] and checks[0]["shapes"] == [[5, 3, 10, 10]]
+
+
+def test_a_new_shape_that_disagrees_with_eager_runs_in_torch_and_is_reported(monkeypatch):
+    from cpu_opt import pipeline
+
+    m = WithBatchNorm().eval()
+    opt = cpu_opt.optimize(m, torch.randn(2, 3, 8, 8), dtype="fp32")
+    real = pipeline._compare
+    monkeypatch.setattr(pipeline, "_compare", lambda out, ref, dt: {**real(out, ref, dt), "ok": False})
+    x = torch.randn(3, 3, 8, 8)
+    assert _close(opt(x), m(x).detach())
+    check = opt.report()["shape_validation"][0]
+    assert check["ok"] is False and "runs in torch" in check["fell_back"]
+    plan = opt._plans[next(reversed(opt._plans))]
+    assert not plan.steps  # that shape's plan has no oneDNN partition
+
+
+class Branchy(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow
+            return x * 2
+        return x.numpy()
+
+
+def test_data_dependent_control_flow_gets_a_clear_error():
+    with pytest.raises(CaptureError, match="cannot capture Branchy"):
+        cpu_opt.optimize(Branchy(), torch.randn(3))
+
+
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1  # a Python side effect: it runs while optimize captures, not on optimized calls
+        return self.fc(x)
+
+
+def test_python_side_effects_run_at_capture_not_on_optimized_calls():
+    m = Noisy().eval()
+    opt = cpu_opt.optimize(m, torch.randn(2, 4), dtype="fp32")
+    before = m.calls
+    x = torch.randn(2, 4)
+    assert _close(opt(x), m.fc(x).detach())
+    assert m.calls == before
+
+
+class NonTensorOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return {"y": self.fc(x), "n": 3, "label": "ok", "nothing": None, "pair": (x.shape[0], None)}
+
+
+def test_non_tensor_and_none_outputs_round_trip():
+    m = NonTensorOutputs().eval()
+    opt = cpu_opt.optimize(m, torch.randn(2, 4), dtype="fp32")
+    x = torch.randn(2, 4)
+    out = opt(x)
+    assert set(out) == {"y", "n", "label", "nothing", "pair"}
+    assert out["n"] == 3 and out["label"] == "ok" and out["nothing"] is None and out["pair"] == (2, None)
+    assert _close(out["y"], m.fc(x).detach())
+
+
+class TakesAFlag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, scale: float = 1.0):
+        return self.fc(x) * scale
+
+
+def test_non_tensor_inputs_get_a_clear_error():
+    with pytest.raises(TypeError, match="must be tensors.*float"):
+        cpu_opt.optimize(TakesAFlag(), (torch.randn(2, 4), 2.0))
+
+
+class MakesAHugeTensor(nn.Module):
+    def forward(self, x):
+        return torch.zeros(x.shape[0], 10 ** 12) + 1
+
+
+def test_an_allocation_that_cannot_succeed_is_a_python_error():
+    with pytest.raises(RuntimeError, match="allocate"):
+        cpu_opt.optimize(MakesAHugeTensor(), torch.randn(2, 3))
