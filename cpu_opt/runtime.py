@@ -26,7 +26,7 @@ class PartitionStep:
     """Callable for one oneDNN partition: ``step(*inputs) -> tuple(outputs)``."""
 
     def __init__(self, index: int, partition: G.Partition, input_ids: list[int], output_ids: list[int],
-                 consts: dict, reuse_outputs: list[bool], channels_last_out: bool):
+                 consts: dict, reuse_outputs: list[bool], channels_last_out: bool, out_strides=None):
         self.index = index
         self.partition = partition
         self.input_ids = input_ids      # lt ids, in the partition's input-port order (runtime args)
@@ -34,6 +34,9 @@ class PartitionStep:
         self.consts = consts            # position -> tensor for scalar constants
         self.reuse = reuse_outputs
         self.channels_last_out = channels_last_out
+        # per output: the strides the captured graph's metadata gives that value (what its consumers,
+        # a later .view() among them, were traced against), or None for values no FX node stands for
+        self.out_strides = list(out_strides) if out_strides is not None else [None] * len(output_ids)
         self._compiled: dict = {}
         self._tls = threading.local()   # reused output buffers: per thread, so concurrent calls never share
         self.__name__ = f"onednn_partition_{index}"
@@ -43,9 +46,11 @@ class PartitionStep:
         for lt, t in zip(self.partition.inputs, inputs):
             ins.append(G.LogicalTensor(lt.id, tuple(t.shape), t.dtype, tuple(t.stride()), "strided", lt.constant))
         outs = []
-        for lt in self.partition.outputs:
+        for lt, want in zip(self.partition.outputs, self.out_strides):
             shape = lt.shape
-            if self.channels_last_out and len(shape) == 4:
+            if want is not None:
+                strides = want
+            elif self.channels_last_out and len(shape) == 4:
                 strides = torch.empty(shape, device="meta").contiguous(memory_format=torch.channels_last).stride()
             else:
                 strides = G._contiguous_strides(shape)
@@ -160,6 +165,22 @@ def build_program(gm: torch.fx.GraphModule, low: LoweredGraph, channels_last: bo
     return prog, steps
 
 
+def _dense_strides(node, shape) -> tuple | None:
+    """The strides ``node``'s recorded value has, when they describe a dense, non-overlapping layout of
+    ``shape`` (any dimension order: row-major, channels-last, a permutation); else None."""
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(shape):
+        return None
+    strides = tuple(v.stride())
+    dims = sorted((st, n) for n, st in zip(v.shape, strides) if n != 1)
+    expect = 1
+    for st, n in dims:  # from the fastest dimension out: each stride spans exactly the ones inside it
+        if st != expect:
+            return None
+        expect *= n
+    return strides
+
+
 def _emit_partition(i, low, ctx, new, env, steps, escaping, channels_last):
     p, nodes = low.partitions[i]
     args, consts = [], {}
@@ -172,7 +193,7 @@ def _emit_partition(i, low, ctx, new, env, steps, escaping, channels_last):
     out_nodes = [ctx.key(lt.id) for lt in p.outputs]
     reuse = [o not in escaping for o in out_nodes]
     step = PartitionStep(i, p, [lt.id for lt in p.inputs], [lt.id for lt in p.outputs], consts, reuse,
-                         channels_last)
+                         channels_last, [_dense_strides(o, lt.shape) for o, lt in zip(out_nodes, p.outputs)])
     steps.append(step)
     call = new.call_function(step, tuple(args))
     call.name = f"onednn_partition_{i}"

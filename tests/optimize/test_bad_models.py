@@ -208,3 +208,50 @@ class MakesAHugeTensor(nn.Module):
 def test_an_allocation_that_cannot_succeed_is_a_python_error():
     with pytest.raises(RuntimeError, match="allocate"):
         cpu_opt.optimize(MakesAHugeTensor(), torch.randn(2, 3))
+
+
+class ConvNeXtBlock(nn.Module):
+    """ConvNeXt's block: depthwise 7x7, LayerNorm over channels after a permute to NHWC, MLP, permute back."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.fc1, self.fc2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+    def forward(self, x):
+        h = self.dw(x).permute(0, 2, 3, 1)
+        h = self.fc2(nn.functional.gelu(self.fc1(self.norm(h))))
+        return x + h.permute(0, 3, 1, 2)
+
+
+class WindowView(nn.Module):
+    """Swin's window partition: a .view() of a partition output after a permute, which only the
+    strides torch would have produced allow."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.embed = nn.Conv2d(3, c, 2, stride=2)  # patch embedding: a convolution network, so 4-D
+        self.norm = nn.LayerNorm(c)                 # partition outputs used to be forced channels-last
+
+    def forward(self, x):
+        x = self.embed(x).permute(0, 2, 3, 1)  # (B, H, W, C)
+        b, h, w, c = x.shape
+        y = self.norm(x).view(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 2, 4, 5).contiguous()
+        return torch.relu(y.view(-1, 4, c))
+
+
+@pytest.mark.parametrize("make, shape", [(ConvNeXtBlock, (2, 16, 12, 12)), (WindowView, (2, 3, 16, 16))])
+def test_partition_outputs_keep_the_strides_the_graph_expects(make, shape):
+    """Both ran wrong or not at all when partition outputs were forced to channels-last: ConvNeXt's
+    LayerNorm (an NHWC tensor given channels-last strides) gave cosine 0.04 and the whole graph fell
+    back; the window view raised 'view size is not compatible'."""
+    m = make().eval()
+    x = torch.randn(*shape)
+    opt = cpu_opt.optimize(m, x, dtype="fp32")
+    assert _close(opt(x), m(x).detach())
+    rep = opt.report()
+    assert rep["validation"]["ok"] and "fell_back" not in rep["validation"]
+    if onednn_graph_used():
+        assert rep["num_partitions"] >= 1
+        assert any("LayerNorm" in p["ops"] for p in rep["partitions"])
