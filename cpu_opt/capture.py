@@ -30,6 +30,9 @@ class Captured:
     method: str                     # "torch.export" or "fx.symbolic_trace"
     notes: list = field(default_factory=list)
     n_inputs: int = 0
+    # non-tensor leaves of the inputs (bools, ints, floats, strings, None): constants of this
+    # capture, as (position among the flat leaves, value); the graph takes only the tensor leaves
+    constants: tuple = ()
 
 
 def flatten_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -71,34 +74,91 @@ def capture(model: torch.nn.Module, example_inputs, *, dynamic_shapes=None, eage
     """``eager_output``: the model's output on these inputs, when the caller already has it
     (saves one forward pass)."""
     args, kwargs = flatten_inputs(example_inputs)
-    flat_in, in_spec = pytree.tree_flatten((args, kwargs))
-    if not all(isinstance(t, torch.Tensor) for t in flat_in):
-        bad = [type(t).__name__ for t in flat_in if not isinstance(t, torch.Tensor)]
-        raise TypeError(f"example inputs must be tensors (in tuples/dicts); got {bad}")
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    bad = [type(t).__name__ for t in leaves if not isinstance(t, torch.Tensor) and not _is_constant(t)]
+    if bad:
+        raise TypeError(f"example inputs must be tensors or plain constants (bool, int, float, str, None) in "
+                        f"tuples/lists/dicts; got {bad}")
+    constants = tuple((i, t) for i, t in enumerate(leaves) if not isinstance(t, torch.Tensor))
+    flat_in = [t for t in leaves if isinstance(t, torch.Tensor)]
     notes = []
+    if constants:
+        notes.append(f"{len(constants)} non-tensor input(s) captured as constants "
+                     f"({', '.join(repr(v) for _, v in constants[:6])}); other values make a new capture")
+    _register_library_pytrees(model)
     if eager_output is None:
         with torch.no_grad():  # on copies: a model may write into its inputs
             a, k = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
             eager_output = model(*a, **k)
     out = eager_output
     flat_out, out_spec = pytree.tree_flatten(out)
+    target, t_args, t_kwargs, t_dyn = model, args, kwargs, dynamic_shapes
+    if constants:  # export a module of the tensor leaves alone, the constants bound inside it
+        target, t_args, t_kwargs = _WithConstants(model, in_spec, constants, len(leaves)), tuple(flat_in), {}
+        if dynamic_shapes is not None:
+            t_dyn = None
+            notes.append("dynamic shapes are not used with non-tensor inputs; each new shape is captured")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+            ep = torch.export.export(target, t_args, t_kwargs, strict=False, dynamic_shapes=t_dyn)
         gm = ep.module()
         gm = _flat_module(gm, in_spec, out_spec)
         method = "torch.export"
     except Exception as e_export:  # noqa: BLE001 - we report and try the next method
         notes.append(f"torch.export failed ({_explain(e_export)}); used torch.fx.symbolic_trace")
         try:
-            gm = _fx_capture(model, args, kwargs, flat_in)
+            gm = _fx_capture(target, t_args, t_kwargs, flat_in)
             method = "fx.symbolic_trace"
         except Exception as e_fx:  # noqa: BLE001
             raise CaptureError(f"cannot capture {type(model).__name__}: torch.export: {_explain(e_export)}; "
                                f"FX symbolic_trace: {_explain(e_fx)}") from e_fx
     _propagate_shapes(gm, flat_in)
-    return Captured(gm, in_spec, out_spec, method, notes, len(flat_in))
+    return Captured(gm, in_spec, out_spec, method, notes, len(flat_in), constants)
+
+
+CONSTANT_TYPES = (bool, int, float, str, type(None))
+
+
+def _is_constant(v) -> bool:
+    return isinstance(v, CONSTANT_TYPES) or isinstance(v, (torch.dtype, torch.device))
+
+
+def tensor_leaves(leaves) -> list:
+    """The tensor leaves of flattened inputs: what a captured graph takes, in order."""
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+class _WithConstants(torch.nn.Module):
+    """``model`` called with its non-tensor inputs fixed: forward takes the tensor leaves only."""
+
+    def __init__(self, model, spec, constants, n_leaves):
+        super().__init__()
+        self.model = model
+        self._spec, self._constants, self._n = spec, dict(constants), n_leaves
+
+    def forward(self, *tensors):
+        it = iter(tensors)
+        leaves = [self._constants[i] if i in self._constants else next(it) for i in range(self._n)]
+        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        return self.model(*args, **kwargs)
+
+
+def _register_library_pytrees(model) -> None:
+    """Let torch.export trace through the output objects of model libraries: Hugging Face's cache
+    classes (``DynamicCache`` ...), registered as pytree nodes by transformers' own exporter, so a
+    decoder's ``past_key_values`` round-trips to the caller as the same type."""
+    mod = type(model).__module__ or ""
+    if not mod.startswith("transformers"):
+        return
+    try:
+        from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
+    except ImportError:  # transformers before its exporters module: no cache outputs through export
+        return
+    try:
+        register_cache_pytrees_for_model(model)
+    except Exception:  # noqa: BLE001 - best effort; export says what it cannot trace
+        pass
 
 
 def _fx_capture(model, args, kwargs, flat_in) -> torch.fx.GraphModule:

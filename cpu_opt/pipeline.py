@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from . import passes
 from .progress import Progress
 from .platform import hw, routing
-from .capture import Captured, CaptureError, _propagate_shapes, capture, flatten_inputs
+from .capture import Captured, CaptureError, _is_constant, _propagate_shapes, capture, flatten_inputs, tensor_leaves
 from .errors import CpuOptError
 
 aten = torch.ops.aten
@@ -46,6 +46,21 @@ class _KeptState:
     def __exit__(self, *exc):
         self.restore()
         return False
+
+
+def _shapes(sig) -> list:
+    return [a for a, _ in sig if not isinstance(a, type)]
+
+
+def _out_dtypes(cap: Captured, options: dict) -> list:
+    """The dtypes of a capture's outputs: the recorded ones when the structure is the example's."""
+    n = cap.out_spec.num_leaves
+    have = options["out_dtypes"]
+    if len(have) == n:
+        return have
+    outs = [n_ for n_ in cap.gm.graph.nodes if n_.op == "output"][0].args[0]
+    return [a.meta["val"].dtype if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+            else None for a in outs]
 
 
 def _copies(tree):
@@ -149,6 +164,7 @@ class Plan:
     """Everything compiled for one input signature."""
 
     def __init__(self, program, steps, lowered, log, seconds):
+        self.out_spec = None  # None: the module's captured output structure
         self.program = program
         self.steps = steps
         self.lowered = lowered
@@ -217,11 +233,11 @@ def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbo
 class OptimizedModule(torch.nn.Module):
     """What :func:`optimize` returns: call it like the original model."""
 
-    def __init__(self, model, captured: Captured, plan: Plan, dtype: str, flat_in, options: dict):
+    def __init__(self, model, captured: Captured, plan: Plan, dtype: str, leaves, options: dict):
         super().__init__()
         self._model = [model]  # not a submodule: its parameters are not ours
         self._captured = captured
-        self._base_sig = _signature(flat_in)
+        self._base_sig = _signature(leaves)  # every input leaf: tensors by shape and dtype, constants by value
         self._plans: OrderedDict = OrderedDict({self._base_sig: plan})  # LRU; the example's plan stays
         self._base_plan = plan
         self._shape_checks: dict = {}  # signature -> validation of the plan made for a new shape
@@ -238,8 +254,9 @@ class OptimizedModule(torch.nn.Module):
             raise TypeError(f"inputs have structure {spec}, but the model was optimized for "
                             f"{self._captured.in_spec}; pass the same arguments as the example inputs")
         for i, t in enumerate(flat):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"input {i} is a {type(t).__name__}; expected a tensor")
+            if not isinstance(t, torch.Tensor) and not _is_constant(t):
+                raise TypeError(f"input {i} is a {type(t).__name__}; expected a tensor or a plain constant "
+                                "(bool, int, float, str, None)")
         sig = _signature(flat)
         plan = self._plans.get(sig)
         if plan is None:
@@ -249,12 +266,18 @@ class OptimizedModule(torch.nn.Module):
                 if sig in self._plans:
                     self._plans.move_to_end(sig)
         with torch.no_grad():
-            out = plan.program(*flat)
-        return pytree.tree_unflatten(list(out), self._captured.out_spec)
+            out = plan.program(*tensor_leaves(flat))
+        return pytree.tree_unflatten(list(out), plan.out_spec or self._captured.out_spec)
 
     def _new_shape(self, args, kwargs, flat, sig) -> Plan:
-        old = next(iter(self._plans))
-        for i, ((shape, dt), (oshape, odt)) in enumerate(zip(sig, old)):
+        old = self._base_sig
+        for i, ((a, b), (oa, ob)) in enumerate(zip(sig, old)):
+            if isinstance(a, type) or isinstance(oa, type):  # a constant here or there
+                if isinstance(a, type) != isinstance(oa, type):
+                    raise TypeError(f"input {i} is {'a ' + a.__name__ if isinstance(a, type) else 'a tensor'}; "
+                                    f"the model was optimized with {'a ' + oa.__name__ if isinstance(oa, type) else 'a tensor'} there")
+                continue
+            shape, dt, oshape, odt = a, b, oa, ob
             if len(shape) != len(oshape):
                 raise ValueError(f"input {i} has rank {len(shape)} (shape {shape}); the model was optimized for "
                                  f"rank {len(oshape)} (shape {oshape})")
@@ -284,22 +307,25 @@ class OptimizedModule(torch.nn.Module):
             return plan
 
     def _plan_for(self, model, args, kwargs, flat, sig) -> Plan:
+        tin = tensor_leaves(flat)
         if self._options.get("pristine") is not None:
             gm = copy.deepcopy(self._options["pristine"])
             try:
-                return _build_plan(gm, flat, self.dtype, self._options["out_dtypes"], False,
+                return _build_plan(gm, tin, self.dtype, self._options["out_dtypes"], False,
                                    Progress(False, 4, ""), use_onednn=self._options["use_onednn"],
                                    shapes_known=False, measure=self._options.get("autotune", False))
             except Exception as e:  # noqa: BLE001
-                raise CpuOptError(f"new input shapes {[s for s, _ in sig]}: re-planning the dynamic "
+                raise CpuOptError(f"new input shapes {_shapes(sig)}: re-planning the dynamic "
                                   f"graph failed: {e}") from e
         try:
             # example inputs are either positional or keyword (flatten_inputs), never both
             cap = capture(model, kwargs if kwargs else args)
         except CaptureError as e:
-            raise CpuOptError(f"new input shapes {[s for s, _ in sig]}: re-capture failed: {e}") from e
-        return _build_plan(cap.gm, flat, self.dtype, self._options["out_dtypes"], False, Progress(False, 4, ""),
+            raise CpuOptError(f"new input shapes {_shapes(sig)}: re-capture failed: {e}") from e
+        plan = _build_plan(cap.gm, tin, self.dtype, _out_dtypes(cap, self._options), False, Progress(False, 4, ""),
                            use_onednn=self._options["use_onednn"], measure=self._options.get("autotune", False))
+        plan.out_spec = cap.out_spec  # other constants can give another output structure
+        return plan
 
     def _validated(self, model, plan: Plan, args, kwargs, flat, sig) -> Plan:
         """Compare a new shape's plan with eager on the call that asked for it (one eager run per new
@@ -309,11 +335,13 @@ class OptimizedModule(torch.nn.Module):
         with torch.no_grad():
             a, k = _copies((args, kwargs))
             ref = model(*a, **k)
-        res = _compare(pytree.tree_unflatten(list(plan.first_output), self._captured.out_spec), ref, self.dtype)
+        res = _compare(pytree.tree_unflatten(list(plan.first_output), plan.out_spec or self._captured.out_spec),
+                       ref, self.dtype)
         if not res["ok"]:
             cap = capture(model, kwargs if kwargs else args, eager_output=ref)
-            plan = _build_plan(cap.gm, flat, self.dtype, self._options["out_dtypes"], False, Progress(False, 4, ""),
-                               use_onednn=False)
+            plan = _build_plan(cap.gm, tensor_leaves(flat), self.dtype, _out_dtypes(cap, self._options), False,
+                               Progress(False, 4, ""), use_onednn=False)
+            plan.out_spec = cap.out_spec
             res["fell_back"] = "outputs differed from eager at this shape; it runs in torch"
         self._shape_checks[sig] = res
         return plan
@@ -346,7 +374,9 @@ class OptimizedModule(torch.nn.Module):
             "attention": attention,
             "views_in_torch": views,
             "shapes_compiled": len(self._plans),
-            "shape_validation": [{"shapes": [list(s) for s, _ in sig], **res} for sig, res in self._shape_checks.items()],
+            "shape_validation": [{"shapes": [list(a) for a, _ in sig if not isinstance(a, type)],
+                                  "constants": [v for a, v in sig if isinstance(a, type)], **res}
+                                 for sig, res in self._shape_checks.items()],
             "optimize_seconds": round(plan.seconds, 3),
             "validation": self._validation,
             "autotune": self._autotune,
@@ -425,7 +455,7 @@ def _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options) -> O
     cap2 = capture(model, example_inputs)
     opts2 = dict(options, use_onednn=False)
     plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False)
-    alt = OptimizedModule(model, cap2, plan2, dt, flat_in, opts2)
+    alt = OptimizedModule(model, cap2, plan2, dt, pytree.tree_leaves(flatten_inputs(example_inputs)), opts2)
     args, kwargs = flatten_inputs(example_inputs)
     t_onednn = _median_seconds(lambda: opt(*args, **kwargs))
     t_torch = _median_seconds(lambda: alt(*args, **kwargs))
@@ -474,6 +504,11 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
             print(arm.report())
         return arm
     args, kwargs = flatten_inputs(example_inputs)
+    odd = [type(t).__name__ for t in pytree.tree_leaves((args, kwargs))
+           if not isinstance(t, torch.Tensor) and not _is_constant(t)]
+    if odd:
+        raise TypeError(f"example inputs must be tensors or plain constants (bool, int, float, str, None) in "
+                        f"tuples/lists/dicts; got {odd}")
     was_training = model.training
     model.eval()
     progress = Progress(verbose, 5, f"cpu_opt.optimize({type(model).__name__})")
@@ -506,14 +541,16 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
                            eager_output=ref)
     state.restore()
     progress.step("capture")
-    flat_in = pytree.tree_leaves((args, kwargs))
+    leaves = pytree.tree_leaves((args, kwargs))
+    flat_in = tensor_leaves(leaves)
     out_dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(ref)]
     options = {"out_dtypes": out_dtypes, "use_onednn": True, "dynamic": bool(dynamic), "autotune": bool(autotune),
-               "pristine": copy.deepcopy(captured.gm) if dynamic else None, "validate": bool(validate),
+               "pristine": copy.deepcopy(captured.gm) if dynamic and not captured.constants else None,
+               "validate": bool(validate),
                "max_shapes": max_shapes}
     plan = _build_plan(captured.gm, flat_in, dt, out_dtypes, verbose, progress, measure=bool(autotune))
     state.restore()
-    opt = OptimizedModule(model, captured, plan, dt, flat_in, options)
+    opt = OptimizedModule(model, captured, plan, dt, leaves, options)
     if validate:
         out = pytree.tree_unflatten(list(plan.first_output), captured.out_spec)
         res = _compare(out, ref, dt)
@@ -524,7 +561,7 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
             options["use_onednn"] = False
             plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False)
             state.restore()
-            opt = OptimizedModule(model, cap2, plan2, dt, flat_in, options)
+            opt = OptimizedModule(model, cap2, plan2, dt, leaves, options)
             res["fell_back"] = "outputs differed from eager; the whole graph now runs in torch"
         opt._validation = res
     if autotune and opt._base_plan.steps:

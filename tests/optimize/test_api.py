@@ -272,3 +272,43 @@ def test_a_bf16_model_optimized_as_fp32_never_reaches_onednn_bf16_where_it_would
 
     if not probe.accepts("bf16"):
         assert int(parts) == 0  # every bf16 op ran in torch, refused by the binding with a reason
+
+
+class Breaks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        torch._dynamo.graph_break()
+        return self.fc2(h) + h.sum()
+
+
+def test_dynamo_backend_with_five_batch_sizes_and_a_graph_break():
+    """dynamo's automatic dynamic shapes pass the sizes as int inputs from the third size on
+    (this raised 'example inputs must be tensors'); they are constants of a capture now."""
+    from cpu_opt import backend
+
+    m = Breaks().eval()
+    torch._dynamo.reset()
+    backend.clear_reports()
+    c = torch.compile(m, backend="cpu_opt")
+    with torch.no_grad():
+        for b in (2, 3, 4, 5, 7):
+            x = torch.randn(b, 8)
+            assert _close(c(x), m(x))
+    reps = backend.reports()
+    assert len(reps) >= 2  # at least one graph on each side of the break
+    assert all(r["capture"] in ("torch.export", "fx.symbolic_trace") for r in reps)
+
+
+def test_dynamo_backend_refuses_a_call_that_needs_gradients():
+    m = Block().eval()
+    torch._dynamo.reset()
+    c = torch.compile(m, backend="cpu_opt")
+    with pytest.raises(RuntimeError, match="for inference"):
+        c(torch.randn(2, 3, 8, 8))  # grad mode on, parameters require grad: no silent drop
+    with torch.inference_mode():
+        x = torch.randn(2, 3, 8, 8)
+        assert _close(c(x), m(x))

@@ -195,9 +195,40 @@ class TakesAFlag(nn.Module):
         return self.fc(x) * scale
 
 
-def test_non_tensor_inputs_get_a_clear_error():
-    with pytest.raises(TypeError, match="must be tensors.*float"):
-        cpu_opt.optimize(TakesAFlag(), (torch.randn(2, 4), 2.0))
+class Flags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, scale: float = 1.0, negate: bool = False, mode: str = "relu", extra=None):
+        y = self.fc(x) * scale
+        y = torch.relu(y) if mode == "relu" else torch.tanh(y)
+        y = -y if negate else y
+        return y if extra is None else (y, extra)
+
+
+def test_non_tensor_inputs_are_constants_of_the_capture():
+    m = Flags().eval()
+    x = torch.randn(2, 4)
+    opt = cpu_opt.optimize(m, {"x": x, "scale": 2.0, "negate": True, "mode": "relu", "extra": None}, dtype="fp32")
+    rep = opt.report()
+    assert any("non-tensor input(s) captured as constants" in n for n in rep["capture_notes"])
+    if onednn_graph_used():
+        assert rep["num_partitions"] >= 1
+    x2 = torch.randn(3, 4)
+    assert _close(opt(x=x2, scale=2.0, negate=True, mode="relu", extra=None), m(x2, 2.0, True, "relu").detach())
+    # other constants: captured again for them, and right (also when the output's structure changes)
+    y = opt(x=x2, scale=0.5, negate=False, mode="tanh", extra=None)
+    assert _close(y, m(x2, 0.5, False, "tanh").detach())
+    out = opt(x=x2, scale=2.0, negate=True, mode="relu", extra=7)
+    assert isinstance(out, tuple) and out[1] == 7 and _close(out[0], m(x2, 2.0, True, "relu").detach())
+    with pytest.raises(TypeError, match="input 1 is a tensor"):
+        opt(x=x2, scale=torch.tensor(2.0), negate=True, mode="relu", extra=None)
+
+
+def test_inputs_that_are_neither_tensors_nor_constants_get_a_clear_error():
+    with pytest.raises(TypeError, match="plain constants.*object"):
+        cpu_opt.optimize(TakesAFlag(), (torch.randn(2, 4), object()))
 
 
 class MakesAHugeTensor(nn.Module):
