@@ -117,7 +117,10 @@ def test_a_model_optimized_in_train_mode_is_planned_in_eval_mode_at_new_shapes_t
     assert _close(y, m(x).detach())
     assert torch.equal(m.bn.running_mean, stats[0]) and torch.equal(m.bn.running_var, stats[1])
     checks = opt.report()["shape_validation"]
-    assert len(checks) == 1 and checks[0]["ok"] and checks[0]["shapes"] == [[5, 3, 10, 10]]
+    if onednn_graph_used():
+        assert len(checks) == 1 and checks[0]["ok"] and checks[0]["shapes"] == [[5, 3, 10, 10]]
+    else:
+        assert checks == []  # a plan entirely in torch needs no comparison with torch
 
 
 def test_a_new_shape_that_disagrees_with_eager_runs_in_torch_and_is_reported(monkeypatch):
@@ -129,6 +132,9 @@ def test_a_new_shape_that_disagrees_with_eager_runs_in_torch_and_is_reported(mon
     monkeypatch.setattr(pipeline, "_compare", lambda out, ref, dt: {**real(out, ref, dt), "ok": False})
     x = torch.randn(3, 3, 8, 8)
     assert _close(opt(x), m(x).detach())
+    if not onednn_graph_used():
+        assert opt.report()["shape_validation"] == []
+        return
     check = opt.report()["shape_validation"][0]
     assert check["ok"] is False and "runs in torch" in check["fell_back"]
     plan = opt._plans[next(reversed(opt._plans))]
