@@ -354,8 +354,10 @@ def _tensor_args(n: torch.fx.Node) -> list[torch.fx.Node]:
     return [a for a in n.all_input_nodes if _is_tensor(a) and _ok_dtype(_val(a))]
 
 
-def lower(gm: torch.fx.GraphModule, dtype: str) -> LoweredGraph:
-    """Build the oneDNN graph for ``gm`` and partition it."""
+def lower(gm: torch.fx.GraphModule, dtype: str, exclude: dict | None = None) -> LoweredGraph:
+    """Build the oneDNN graph for ``gm`` and partition it. ``exclude``: node name -> why that node
+    must run in torch (validation found the partition holding it wrong)."""
+    exclude = exclude or {}
     g = G.Graph()
     ctx = Ctx(gm, g, dtype)
     fallbacks, views, attention, routed = {}, [], [], []
@@ -378,6 +380,8 @@ def lower(gm: torch.fx.GraphModule, dtype: str) -> LoweredGraph:
         reason = None
         if fn is not None and (why := _inplace_hazard(n, pos)) is not None:
             reason, fn = why, None
+        if fn is not None and n.name in exclude:
+            reason, fn = exclude[n.name], None
         work = WORK_OF.get(n.target) if chosen is None else None  # routed linear layers are decided
         if fn is not None and work is not None and routes[work].backend != "onednn":
             reason = f"routed to {routes[work].backend}: {routes[work].why}"

@@ -52,6 +52,51 @@ def _shapes(sig) -> list:
     return [a for a, _ in sig if not isinstance(a, type)]
 
 
+def _partition_errors(plan: Plan, flat_in, dtype: str) -> list[dict]:
+    """Which partitions of ``plan`` disagree with torch. The graph the plan was lowered from is run
+    in torch (an FX interpreter recording every value); then each partition is fed torch's values of
+    its inputs and its outputs compared with torch's values of the same nodes — so each is judged
+    alone, not through the errors of the partitions before it."""
+    low = plan.lowered
+    if low is None or not plan.steps:
+        return []
+    ctx = low.ctx
+    env: dict = {}
+
+    class _Record(torch.fx.Interpreter):
+        def run_node(self, n):
+            v = super().run_node(n)
+            env[n] = v
+            return v
+
+    with torch.no_grad(), _KeptState(ctx.gm):
+        _Record(ctx.gm).run(*_copies(list(flat_in)))
+    bad = []
+    for step in plan.steps:
+        p, nodes = low.partitions[step.index]
+        keys = [ctx.key(lt.id) for lt in p.inputs]
+        if any(k is not None and not isinstance(k, torch.fx.Node) for k in keys):
+            continue  # fed by a value inside another partition (a decomposed op): not judged alone
+        args = [env[k] for k in keys if k is not None]
+        if not all(isinstance(a, torch.Tensor) for a in args):
+            continue
+        with torch.no_grad():
+            outs = step(*[a.clone() for a in args])
+        worst = 0.0
+        for lt, o in zip(p.outputs, outs):
+            k = ctx.key(lt.id)
+            ref = env.get(k) if isinstance(k, torch.fx.Node) else None
+            if not isinstance(ref, torch.Tensor) or not ref.is_floating_point():
+                continue
+            r = _compare(o, ref, dtype)
+            worst = max(worst, r["max_rel_err"] if dtype == "fp32" else 1 - r["min_cosine"])
+            if not r["ok"]:
+                bad.append({"partition": step.index, "ops": step.op_kinds, "nodes": [n.name for n in nodes],
+                            **{k2: v for k2, v in r.items() if k2 != "ok"}})
+                break
+    return bad
+
+
 def _out_dtypes(cap: Captured, options: dict) -> list:
     """The dtypes of a capture's outputs: the recorded ones when the structure is the example's."""
     n = cap.out_spec.num_leaves
@@ -173,7 +218,8 @@ class Plan:
 
 
 def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbose: bool, progress: Progress,
-                use_onednn: bool = True, shapes_known: bool = True, measure: bool = False) -> Plan:
+                use_onednn: bool = True, shapes_known: bool = True, measure: bool = False,
+                exclude: dict | None = None) -> Plan:
     from .lowering import lower
     from .runtime import build_program
 
@@ -211,7 +257,7 @@ def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbo
             log.append(f"oneDNN unavailable ({e}); the graph runs in torch")
         else:
             try:
-                lowered = lower(gm, dtype)
+                lowered = lower(gm, dtype, exclude)
             except Exception as e:  # noqa: BLE001 - reported, and the graph still runs
                 log.append(f"lowering to oneDNN Graph failed ({type(e).__name__}: {e}); the graph runs in torch")
     progress.step("lower + partition")
@@ -313,7 +359,8 @@ class OptimizedModule(torch.nn.Module):
             try:
                 return _build_plan(gm, tin, self.dtype, self._options["out_dtypes"], False,
                                    Progress(False, 4, ""), use_onednn=self._options["use_onednn"],
-                                   shapes_known=False, measure=self._options.get("autotune", False))
+                                   shapes_known=False, measure=self._options.get("autotune", False),
+                                   exclude=self._options.get("exclude"))
             except Exception as e:  # noqa: BLE001
                 raise CpuOptError(f"new input shapes {_shapes(sig)}: re-planning the dynamic "
                                   f"graph failed: {e}") from e
@@ -323,7 +370,8 @@ class OptimizedModule(torch.nn.Module):
         except CaptureError as e:
             raise CpuOptError(f"new input shapes {_shapes(sig)}: re-capture failed: {e}") from e
         plan = _build_plan(cap.gm, tin, self.dtype, _out_dtypes(cap, self._options), False, Progress(False, 4, ""),
-                           use_onednn=self._options["use_onednn"], measure=self._options.get("autotune", False))
+                           use_onednn=self._options["use_onednn"], measure=self._options.get("autotune", False),
+                           exclude=self._options.get("exclude"))
         plan.out_spec = cap.out_spec  # other constants can give another output structure
         return plan
 
@@ -555,6 +603,24 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
         out = pytree.tree_unflatten(list(plan.first_output), captured.out_spec)
         res = _compare(out, ref, dt)
         del out
+        if not res["ok"] and plan.steps:
+            # narrow it down: the partitions that disagree with torch run in torch, the rest stays
+            bad = _partition_errors(plan, flat_in, dt)
+            state.restore()
+            if bad:
+                exclude = {name: f"its oneDNN partition {b['partition']} ({'+'.join(b['ops'])}) disagreed with "
+                                 f"torch on the example (max rel err {b.get('max_rel_err', 0):.2g}): runs in torch"
+                           for b in bad for name in b["nodes"]}
+                cap2 = capture(model, example_inputs, eager_output=ref)
+                state.restore()
+                plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""),
+                                    exclude=exclude)
+                state.restore()
+                res2 = _compare(pytree.tree_unflatten(list(plan2.first_output), cap2.out_spec), ref, dt)
+                if res2["ok"]:
+                    opt = OptimizedModule(model, cap2, plan2, dt, leaves, options)
+                    res = dict(res2, narrowed=bad, first_try=res)
+                    options["exclude"] = exclude
         if not res["ok"]:
             # never silently wrong: rebuild without oneDNN and say so
             cap2 = capture(model, example_inputs, eager_output=ref)

@@ -292,3 +292,41 @@ def test_partition_outputs_keep_the_strides_the_graph_expects(make, shape):
     if onednn_graph_used():
         assert rep["num_partitions"] >= 1
         assert any("LayerNorm" in p["ops"] for p in rep["partitions"])
+
+
+class GeluMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        h = nn.functional.gelu(self.b(h))
+        return torch.sigmoid(self.c(h))
+
+
+def test_validation_narrows_a_wrong_partition_down_and_runs_only_it_in_torch(monkeypatch):
+    """A partition that computes the wrong thing (here GELU lowered as Tanh, on purpose) is found by
+    comparing each partition with torch on its own, and only it runs in torch; the rest stays."""
+    from cpu_opt import lowering
+
+    monkeypatch.setitem(lowering.LOWERINGS, torch.ops.aten.gelu.default, lowering._eltwise("Tanh"))
+    m = GeluMLP().eval()
+    x = torch.randn(4, 16)
+    opt = cpu_opt.optimize(m, x, dtype="fp32")
+    assert _close(opt(x), m(x).detach())
+    val = opt.report()["validation"]
+    if not onednn_graph_used():  # routing keeps the graph in torch: the broken lowering never runs
+        assert val["ok"] and "narrowed" not in val and opt.report()["num_partitions"] == 0
+        return
+    assert val["ok"] and "fell_back" not in val, val
+    assert val["first_try"]["ok"] is False
+    narrowed = val["narrowed"]
+    assert len(narrowed) == 1 and "Tanh" in narrowed[0]["ops"]
+    rep = opt.report()
+    assert rep["num_partitions"] >= 1  # the others still run on oneDNN
+    gelu = [f for f in rep["fallbacks"] if f["op"] == "aten.gelu.default"]
+    assert gelu and "disagreed with torch" in gelu[0]["reason"]
+    x2 = torch.randn(9, 16)  # a new shape keeps the exclusion
+    assert _close(opt(x2), m(x2).detach())
+    assert opt.report()["shape_validation"][-1]["ok"]
