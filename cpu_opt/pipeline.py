@@ -97,6 +97,16 @@ def _partition_errors(plan: Plan, flat_in, dtype: str) -> list[dict]:
     return bad
 
 
+def _partition_route(op_kinds, dtype: str) -> dict:
+    """The route of a partition's main work (convolution, matmul, else the fused ops around them):
+    a partition always runs on cpu_opt's oneDNN; this says which rule (or measurement) sent it there."""
+    work = "conv" if "Convolution" in op_kinds else "gemm" if "MatMul" in op_kinds else None
+    if work is None:
+        return {"route": "onednn", "why": "ops oneDNN Graph fused; no routed work (no convolution or matmul) in it"}
+    r = routing.route(work, dtype)
+    return {"route": r.backend, "why": f"{work} {dtype}: {r.why}", "route_source": r.source}
+
+
 def _out_dtypes(cap: Captured, options: dict) -> list:
     """The dtypes of a capture's outputs: the recorded ones when the structure is the example's."""
     n = cap.out_spec.num_leaves
@@ -403,15 +413,18 @@ class OptimizedModule(torch.nn.Module):
             for step in plan.steps:
                 p, nodes = low.partitions[step.index]
                 parts.append({"id": step.index, "ops": step.op_kinds,
-                              "aten": [str(n.target) for n in nodes], "route": "onednn",
-                              "impl": "oneDNN Graph compiled partition"})
+                              "aten": [str(n.target) for n in nodes], **_partition_route(step.op_kinds, self.dtype),
+                              "impl": "oneDNN Graph compiled partition (cpu_opt's oneDNN binding)"})
             for n, why in low.fallbacks.items():
                 fallbacks.append({"node": n.name, "op": str(n.target), "reason": why})
             attention = [{"node": n.name, "route": r.backend, "why": r.why} for n, r in low.attention]
             views = len(low.views)
             routed = [{"node": n.name, "op": str(n.target), "route": b, "why": why} for n, (b, why) in low.routed]
         return {
+            "capability": "optimize",
             "dtype": self.dtype,
+            "notes": list(self._captured.notes) + list(plan.log),
+            "counts": {},
             "capture": self._captured.method,
             "capture_notes": list(self._captured.notes),
             "passes": list(plan.log),

@@ -450,8 +450,24 @@ class OptimizedGNN(torch.nn.Module):
         finally:
             _linear_on.reset(token)
 
-    def report(self) -> str:
-        """What ran where since creation (counts)."""
+    def report(self) -> dict:
+        """What ran where (the same keys as ``cpu_opt.optimize(...).report()``): ``routed`` lists the
+        layers cpu_opt took over, ``notes`` the plan notes, ``counts`` how often each path ran since
+        the process started (PyG calls that went back to PyG's own code count as fallbacks)."""
+        counts = dict(_counts)
+        return {
+            "capability": "gnn", "dtype": "as the model", "num_partitions": 0, "partitions": [],
+            "fallbacks": [{"node": k.split(":", 1)[0], "op": k.split(":", 1)[0], "reason": k.split(":", 1)[1].strip(),
+                           "count": v} for k, v in sorted(counts.items()) if "pyg" in k.split(":", 1)[-1]],
+            "routed": [{"node": type(m).__name__, "op": type(m).__name__, "route": "cpu_opt.gnn",
+                        "why": "linear map before aggregation" if m in self._linear_first else "Linear on torch's oneDNN"}
+                       for m in self._forwards],
+            "notes": [f"{k}: {v}" for k, v in sorted(self._notes.items())],
+            "validation": None, "counts": counts,
+        }
+
+    def report_text(self) -> str:
+        """What ran where since creation (counts), as text."""
         lines = [f"cpu_opt.gnn.optimize({type(self.model).__name__}):"]
         for k, v in sorted(self._notes.items()):
             lines.append(f"  {k}: {v}")

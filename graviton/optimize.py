@@ -115,7 +115,22 @@ class ArmOptimizedModule(nn.Module):
         with torch.no_grad(), fastmath.fast_math(self.fast_math_on):
             return self.model(*args, **kwargs)
 
-    def report(self) -> str:
+    def report(self) -> dict:
+        """The same keys as ``cpu_opt.optimize(...).report()`` and ``gnn.optimize(...).report()``
+        (``capability``, ``dtype``, ``partitions``, ``fallbacks``, ``routed``, ``notes``,
+        ``validation``, ``counts``); :meth:`report_text` prints it."""
+        r = self._report
+        return {
+            "capability": "graviton", "dtype": r.dtype, "requested_dtype": r.requested,
+            "num_partitions": 0, "partitions": [],
+            "fallbacks": [{"node": name, "op": "", "reason": why} for name, why in r.left],
+            "routed": [{"node": name, "op": "", "route": "acl", "why": what} for name, what in r.replaced],
+            "notes": [f"{r.core or 'unknown core'} (BF16: {'yes' if r.core_has_bf16 else 'no'}); oneDNN default "
+                      f"fpmath in this process: {r.process_fpmath}"] + list(r.notes),
+            "validation": dict(r.warm_check) if r.warm_check else None, "counts": {},
+        }
+
+    def report_text(self) -> str:
         return self._report.text()
 
     @property
