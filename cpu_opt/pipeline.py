@@ -562,7 +562,7 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
         arm = optimize_for_arm(model, example_inputs, dtype={"auto": "auto", "fp32": "float32",
                                                              "bf16": "bfloat16"}[dtype])
         if verbose:
-            print(arm.report())
+            print(arm.report_text())
         return arm
     args, kwargs = flatten_inputs(example_inputs)
     odd = [type(t).__name__ for t in pytree.tree_leaves((args, kwargs))
