@@ -27,48 +27,77 @@ def _max_rel_err(out, ref) -> float:
     return max(((x.double() - y.double()).abs().max() / y.double().abs().max()).item() for x, y in zip(a, b))
 
 
+def _why_not_faster(rep: dict, speedup: float) -> str:
+    """A plain reason, from the report, for a model that is not faster than eager here."""
+    val = rep.get("validation") or {}
+    if val.get("fell_back"):
+        return f"cpu_opt's plan disagreed with eager ({val['fell_back']}), so it runs in torch"
+    if rep["num_partitions"] == 0:
+        why = next((p for p in rep["passes"] if "runs in torch" in p), "no part of it went to oneDNN")
+        return f"nothing ran on oneDNN: {why}"
+    at = rep.get("autotune") or {}
+    if at.get("chosen") == "torch":
+        return (f"autotune measured the oneDNN plan slower here ({at['onednn_ms']} ms vs {at['torch_ms']} ms in "
+                "torch) and kept torch's")
+    return (f"{rep['num_partitions']} oneDNN partitions ran, but on this CPU their kernels are about as fast as "
+            f"eager's (routes: {', '.join(f'{k} -> {v}' for k, v in rep['routes'].items())}); "
+            "`python -m cpu_opt calibrate` measures the routes here")
+
+
 def main(quick: bool = False, argv=None) -> int:
     import cpu_opt
     from cpu_opt import hw, routing
     from cpu_opt.models import ZOO
+    from cpu_opt.platform.timing import measure
 
     ap = argparse.ArgumentParser(prog="python -m cpu_opt demo")
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"zoo models ({', '.join(ZOO)})")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=5 if quick else 10)
+    ap.add_argument("--repeats", type=int, default=7 if quick else 15)
+    ap.add_argument("--report", action="store_true", help="print each model's full optimize report")
+    ap.add_argument("--no-autotune", action="store_true",
+                    help="take the routing table's plan instead of measuring it against torch's")
     args = ap.parse_args(argv or [])
     size = "small" if quick else "full"
     info = hw.detect()
     dtype = routing.auto_dtype(info)
-    print(f"cpu_opt demo — {info.model_name}, ISA {' '.join(sorted(info.isa))}, {torch.get_num_threads()} threads, "
-          f"dtype='auto' -> {dtype}")
-    rows = []
+    print(f"cpu_opt demo — {info.label}, {torch.get_num_threads()} threads, dtype='auto' -> {dtype}"
+          + ("" if args.no_autotune else "; autotune=True (the faster of the oneDNN plan and torch's)"))
+    rows, notes = [], []
     for name in args.models.split(","):
         spec = ZOO[name]
         model = spec.build(size)
         inputs = spec.example_inputs(args.batch, size)
-        opt = cpu_opt.optimize(model, inputs, verbose=True)
+        print(f"  optimizing {name} ({size}, batch {args.batch}) ...", flush=True)
+        opt = cpu_opt.optimize(model, inputs, autotune=not args.no_autotune)
         rep = opt.report()
+        if args.report:
+            opt.print_report()
         with torch.no_grad():
             ref = spec.call(model, inputs)
             out = spec.call(opt, inputs)
             err = _max_rel_err(out, ref)
-            spec.call(model, inputs)  # warm-up
-            eager = _median_ms(lambda: spec.call(model, inputs), args.repeats)
-            fast = _median_ms(lambda: spec.call(opt, inputs), args.repeats)
+            st = measure({"eager": lambda: spec.call(model, inputs), "cpu_opt": lambda: spec.call(opt, inputs)},
+                         warmup=2, repeats=args.repeats)  # interleaved: fair on a shared machine
+        eager, fast = st["eager"].median * 1e3, st["cpu_opt"].median * 1e3
         ok = err < (1e-4 if dtype == "fp32" else 5e-2)
-        rows.append((name, size, args.batch, dtype, rep["num_partitions"], len(rep["fallbacks"]), eager, fast,
+        plan = (rep.get("autotune") or {}).get("chosen", "onednn" if rep["num_partitions"] else "torch")
+        rows.append((name, size, args.batch, dtype, rep["num_partitions"], len(rep["fallbacks"]), plan, eager, fast,
                      eager / fast, err, "ok" if ok else "MISMATCH", rep["optimize_seconds"]))
         if not ok:
-            print(f"{name}: output differs from eager (max rel err {err:.2e})")
+            notes.append(f"{name}: output differs from eager (max rel err {err:.2e})")
+        if eager / fast < 1.05:
+            notes.append(f"{name}: {eager / fast:.2f}x eager — {_why_not_faster(rep, eager / fast)}")
     print()
-    head = ("model", "size", "batch", "dtype", "partitions", "fallbacks", "eager ms", "cpu_opt ms", "speedup",
+    head = ("model", "size", "batch", "dtype", "partitions", "fallbacks", "plan", "eager ms", "cpu_opt ms", "speedup",
             "max rel err", "check", "optimize s")
-    fmt = "{:<10} {:<6} {:>5} {:<5} {:>10} {:>9} {:>9} {:>10} {:>7} {:>11} {:>6} {:>10}"
+    fmt = "{:<12} {:<6} {:>5} {:<5} {:>10} {:>9} {:>7} {:>9} {:>10} {:>7} {:>11} {:>6} {:>10}"
     print(fmt.format(*head))
     for r in rows:
-        print(fmt.format(r[0], r[1], r[2], r[3], r[4], r[5], f"{r[6]:.1f}", f"{r[7]:.1f}", f"{r[8]:.2f}x",
-                         f"{r[9]:.1e}", r[10], f"{r[11]:.1f}"))
-    print(f"\nmedians of {args.repeats} runs each, {torch.get_num_threads()} threads; "
-          "full benchmark: python -m bench optimize")
-    return 0 if all(r[10] == "ok" for r in rows) else 1
+        print(fmt.format(r[0], r[1], r[2], r[3], r[4], r[5], r[6], f"{r[7]:.1f}", f"{r[8]:.1f}", f"{r[9]:.2f}x",
+                         f"{r[10]:.1e}", r[11], f"{r[12]:.1f}"))
+    for n in notes:
+        print(f"  note: {n}")
+    print(f"\ninterleaved medians of {args.repeats} runs each, {torch.get_num_threads()} threads; the full report: "
+          "make demo ARGS=--report; the full benchmark: python -m bench optimize")
+    return 0 if all(r[11] == "ok" for r in rows) else 1

@@ -375,7 +375,7 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
         w_nk = wt.t() if kn else wt
         vx = _val(x)
         rows = vx.numel() // max(vx.shape[-1], 1)
-        r = routing.route("linear", dtype, rows=rows)
+        r = routing.route("linear", dtype, rows=rows, macs=rows * w_nk.shape[0] * w_nk.shape[1])
         backend, why = r.backend, r.why
         if measure and vx.numel() > 0 and dtype == "fp32":
             t = measure_linear(rows, w_nk.shape[1], w_nk.shape[0], b is not None)

@@ -304,7 +304,26 @@ class OptimizedModule(torch.nn.Module):
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ calling
+    def _fast_path(self):
+        """(positional tensor count, single-tensor output?) for the common call ``model(t1, ..., tn)``
+        -> a tensor, computed once: that call skips the pytree round trip (about 40 us)."""
+        fp = getattr(self, "_fast", None)
+        if fp is None:
+            n = self._captured.in_spec.num_leaves
+            plain_in = self._captured.in_spec == pytree.tree_structure((tuple(range(n)), {})) \
+                and not self._captured.constants
+            fp = self._fast = (n if plain_in else -1, self._captured.out_spec == pytree.tree_structure(0))
+        return fp
+
     def forward(self, *args, **kwargs):
+        n_fast, leaf_out = self._fast_path()
+        if not kwargs and len(args) == n_fast and all(type(a) is torch.Tensor for a in args):
+            sig = tuple((tuple(a.shape), a.dtype) for a in args)
+            plan = self._plans.get(sig)
+            if plan is not None and plan.out_spec is None and len(self._plans) == 1:
+                with torch.no_grad():
+                    out = plan.program(*args)
+                return out[0] if leaf_out else pytree.tree_unflatten(list(out), self._captured.out_spec)
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._captured.in_spec:
             raise TypeError(f"inputs have structure {spec}, but the model was optimized for "

@@ -162,7 +162,25 @@ def build_program(gm: torch.fx.GraphModule, low: LoweredGraph, channels_last: bo
     prog = torch.fx.GraphModule(gm, new)
     prog._forward_pre_hooks.clear()
     prog._forward_hooks.clear()
+    _bind_constants(prog)
     return prog, steps
+
+
+def _bind_constants(prog: torch.fx.GraphModule) -> None:
+    """Weights are read once per call through plain instance attributes instead of
+    ``nn.Module.__getattr__`` down the module tree (``self.encoder.layer[3].attention.query.weight``:
+    a few hundred lookups a call on a transformer). The tensors are the model's own objects, so an
+    in-place update of a parameter or buffer is seen."""
+    for k, n in enumerate([n for n in prog.graph.nodes if n.op == "get_attr"]):
+        obj = prog
+        for part in n.target.split("."):
+            obj = getattr(obj, part)
+        if not isinstance(obj, torch.Tensor):
+            continue
+        name = f"_cpu_opt_bound_{k}"
+        object.__setattr__(prog, name, obj)  # the instance dict: found before Module.__getattr__
+        n.target = name
+    prog.recompile()
 
 
 def _dense_strides(node, shape) -> tuple | None:

@@ -102,9 +102,12 @@ def test_the_table_keeps_a_case_within_the_noise_margin():
 # ------------------------------------------------------------------ a profile's winner overrides the table
 
 class TwoLinears(nn.Module):
+    """Big enough (16 rows x 1024 x 1024 = 16.8M multiply-adds a layer) that the small-GEMM rule
+    does not apply and the profile's m128 case does."""
+
     def __init__(self):
         super().__init__()
-        self.a, self.b = nn.Linear(24, 32), nn.Linear(32, 16)
+        self.a, self.b = nn.Linear(1024, 1024), nn.Linear(1024, 1024)
 
     def forward(self, x):
         return self.b(torch.relu(self.a(x)))
@@ -118,7 +121,7 @@ def test_measured_linear_winner_overrides_the_table_in_optimize():
     # other row classes and an explicit (fixture) CPU still follow the table
     assert routing.route("linear", "fp32", rows=1).source == "table"
     assert routing.route("linear", "fp32", hw.detect(), rows=16).source == "table"
-    m, x = TwoLinears().eval(), torch.randn(16, 24)
+    m, x = TwoLinears().eval(), torch.randn(16, 1024)
     opt = cpu_opt.optimize(m, x, dtype="fp32")
     assert ((opt(x) - m(x)).abs().max() / m(x).abs().max()).item() < 1e-5
     rep = opt.report()
@@ -219,7 +222,7 @@ def test_nothing_is_measured_without_a_profile(monkeypatch):
         assert profile.load() is None
         for work in routing.WORK_KINDS:
             assert routing.route(work, "fp32").source == "table"
-    m, x = TwoLinears().eval(), torch.randn(8, 24)
+    m, x = TwoLinears().eval(), torch.randn(8, 1024)
     cpu_opt.optimize(m, x, dtype="fp32")
 
 

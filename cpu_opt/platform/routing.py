@@ -37,9 +37,12 @@ class Rule:
     any_of: tuple = ()                     # at least one of these feature sets must be present
     none_of: frozenset = frozenset()       # none of these features may be present
     max_rows: int | None = None            # linear: applies only to layers with at most this many rows
+    max_macs: int | None = None            # linear: applies only to layers doing fewer multiply-adds
 
-    def applies(self, info: hw.CPUInfo, rows: int | None = None) -> bool:
+    def applies(self, info: hw.CPUInfo, rows: int | None = None, macs: int | None = None) -> bool:
         if self.max_rows is not None and (rows is None or rows > self.max_rows):
+            return False
+        if self.max_macs is not None and (macs is None or macs >= self.max_macs):
             return False
         if self.arch != "any" and info.arch != self.arch:
             return False
@@ -55,6 +58,8 @@ VNNI = (frozenset({"avx512_vnni"}), frozenset({"amx_int8"}), frozenset({"avx_vnn
 
 # Below this many activation rows a linear layer is a GEMV and its own table rule applies (see it).
 LINEAR_TORCH_MIN_ROWS = 4
+# Below this many multiply-adds (rows x K x N) a linear layer stays on torch's addmm (see the rule).
+SMALL_GEMM_MACS = 16_000_000
 
 # Where each rule's figures come from. Rules name the CPU they were measured on; a rule for a CPU
 # no session had says so. Re-measure with `python -m cpu_opt calibrate` (whose profile then
@@ -90,6 +95,11 @@ RULES: tuple[Rule, ...] = (
          f"are exact: FBGEMM with reduce_range, torch's x86 default); see the linear int8 rows, {ZEN3}", any_of=(AVX2,)),
     Rule("gemm", "int8", "torch", f"no AVX2: torch's reference quantized kernels ({UNMEASURED})"),
     # ---------------------------------------------------------------- linear layers (constant weights)
+    Rule("linear", "fp32", "torch",
+         "a small GEMM (under 16M multiply-adds): each oneDNN call costs 30-60 us more than torch's addmm, which "
+         "the work does not earn back: 64x128x512 addmm 126 us, torch's oneDNN 171, cpu_opt's 198; 128x256x256 "
+         f"146 / 175 / 178; from 128x256x1024 (34M) they tie ({ZEN3}; the cost is per call, not per ISA, but it "
+         "was not measured on AVX-512)", any_of=(AVX2,), max_macs=SMALL_GEMM_MACS),
     Rule("linear", "fp32", "onednn",
          f"oneDNN 3.2 brg:avx512_core with packed weights: 2-5x torch on transformer shapes, {ZEN5}; level with torch "
          f"on the Ice Lake (128x768x3072: 175 vs 179 GFLOP/s, {ICX}); torch's oneDNN 3.12 never measured against it "
@@ -190,29 +200,34 @@ def _check(work: str, dtype: str) -> None:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
 
 
-def table_route(work: str, dtype: str, info: hw.CPUInfo | None = None, *, rows: int | None = None) -> Route:
+def table_route(work: str, dtype: str, info: hw.CPUInfo | None = None, *, rows: int | None = None,
+                macs: int | None = None) -> Route:
     """The routing table's backend for ``work`` at ``dtype`` on this CPU (or on ``info``).
-    ``rows``: a linear layer's activation rows (GEMV rules apply to few rows only)."""
+    ``rows`` and ``macs``: a linear layer's activation rows and multiply-adds (the GEMV and the
+    small-GEMM rules apply to those only)."""
     _check(work, dtype)
     info = info or hw.detect()
     for r in RULES:
-        if r.work == work and r.dtype == dtype and r.applies(info, rows):
+        if r.work == work and r.dtype == dtype and r.applies(info, rows, macs):
             return Route(work, dtype, r.backend, r.why)
     return Route(work, dtype, "torch", "no rule matched: PyTorch's own kernels")
 
 
-def route(work: str, dtype: str, info: hw.CPUInfo | None = None, *, rows: int | None = None) -> Route:
+def route(work: str, dtype: str, info: hw.CPUInfo | None = None, *, rows: int | None = None,
+          macs: int | None = None) -> Route:
     """The backend for ``work`` at ``dtype``: this machine's measured profile where it has the case
     (``python -m cpu_opt calibrate``), else the table. With an explicit ``info`` (another CPU, a
-    fixture) the table alone answers: a profile describes only the machine it was measured on."""
+    fixture) the table alone answers: a profile describes only the machine it was measured on. A
+    small GEMM (``macs`` under :data:`SMALL_GEMM_MACS`) is nothing like the profile's shapes: the
+    table decides it."""
     _check(work, dtype)
-    if info is None:
+    if info is None and not (macs is not None and macs < SMALL_GEMM_MACS):
         from . import profile
 
         case = profile.measured(work, dtype, rows)
         if case is not None:
             return Route(work, dtype, case.winner, f"measured here ({case.shape}): {case.figures()}", "measured")
-    return table_route(work, dtype, info, rows=rows)
+    return table_route(work, dtype, info, rows=rows, macs=macs)
 
 
 def routes(info: hw.CPUInfo | None = None) -> dict[str, dict[str, dict]]:

@@ -40,24 +40,31 @@ def _table_route():
     return routing.route("linear", "fp32").backend
 
 
-def test_routes_follow_the_table_and_answers_match_eager():
+# (K, N) of Mixed's three layers on constant weights, in graph order
+MIXED_LAYERS = [(24, 32), (32, 40), (40, 16)]
+
+
+@pytest.mark.parametrize("rows", [6, 4096])
+def test_routes_follow_the_table_and_answers_match_eager(rows):
+    """Each layer takes the route the table gives its row count and size (small GEMMs stay on
+    addmm; from 16M multiply-adds on AVX2, torch's oneDNN); the activation x activation matmul
+    stays with oneDNN Graph either way."""
     m = Mixed().eval()
-    x = torch.randn(6, 24)
+    x = torch.randn(rows, 24)
     opt = cpu_opt.optimize(m, x, dtype="fp32")
     assert _rel(opt(x), m(x).detach()) < 1e-5
     rep = opt.report()
-    routed = {r["node"]: r for r in rep["routed"]}
-    if _table_route() == "torch_onednn":
-        # the three layers on constant weights moved, named as in the captured graph; the
-        # activation x activation matmul stayed with oneDNN
-        assert len(routed) == 3
-        assert all(r["route"] == "torch_onednn" and "brg_matmul:avx2" in r["why"] for r in routed.values())
-        assert any(name.startswith("linear") for name in routed)
-        assert any(name.startswith("addmm") for name in routed)
-        assert any("MatMul" in p["ops"] for p in rep["partitions"])
-        assert not [f for f in rep["fallbacks"] if "linear" in f["op"] or "mm" in f["op"]]
-    else:
-        assert not routed
+    if not optimize_testutil.onednn_graph_used():
+        assert not rep["routed"] and rep["num_partitions"] == 0
+        return
+    want = [routing.route("linear", "fp32", rows=rows, macs=rows * k * n) for k, n in MIXED_LAYERS]
+    routed = list(rep["routed"])  # in graph order; layers kept on cpu_opt's oneDNN are not listed
+    moved = [w for w in want if w.backend != "onednn"]
+    assert [r["route"] for r in routed] == [w.backend for w in moved]
+    assert all(r["why"] == w.why for r, w in zip(routed, moved))
+    if any(w.backend == "torch_onednn" for w in want):
+        assert any("brg_matmul:avx2" in r["why"] or "avx512" in r["why"] for r in routed)
+    assert any("MatMul" in p["ops"] for p in rep["partitions"])
     assert rep["routes"]["linear"] == _table_route()
 
 
@@ -134,18 +141,21 @@ def test_each_plan_routes_its_layers_for_its_own_row_count():
     assert _rel(one(x), m(x).detach()) < 1e-5 and _rel(one(torch.ones(1, 24)), m(torch.ones(1, 24)).detach()) < 1e-5
     assert len(one._plans) == 2
     for rows, plan in ((s[0][0][0], p) for s, p in one._plans.items()):
-        want = routing.route("linear", "fp32", rows=rows).backend
+        want = [routing.route("linear", "fp32", rows=rows, macs=rows * k * n).backend for k, n in ((24, 32), (32, 8))]
         if plan.lowered is None:  # routing kept the whole graph in torch
             assert not optimize_testutil.onednn_graph_used()
             continue
         chosen = [n.meta["cpu_opt_route"][0] for n in plan.lowered.ctx.gm.graph.nodes if "cpu_opt_route" in n.meta]
-        assert chosen == [want, want], (rows, chosen)
-        assert len(plan.lowered.routed) == (2 if want != "onednn" else 0)
+        assert chosen == want, (rows, chosen)
+        assert len(plan.lowered.routed) == sum(w != "onednn" for w in want)
 
 
 def test_table_gives_gemvs_their_own_rule_on_avx2():
     z3 = hw.build_info((FIX / "amd_zen3.txt").read_text())
     assert routing.route("linear", "fp32", z3, rows=1).backend == "onednn"
+    assert routing.route("linear", "fp32", z3, rows=1, macs=4096 * 4096).backend == "onednn"
+    assert routing.route("linear", "fp32", z3, rows=64, macs=64 * 128 * 512).backend == "torch"  # small: addmm
+    assert routing.route("linear", "fp32", z3, rows=128, macs=128 * 768 * 768).backend == "torch_onednn"
     assert routing.route("linear", "fp32", z3, rows=routing.LINEAR_TORCH_MIN_ROWS - 1).backend == "onednn"
     assert routing.route("linear", "fp32", z3, rows=routing.LINEAR_TORCH_MIN_ROWS).backend == "torch_onednn"
     assert routing.route("linear", "fp32", z3).backend == "torch_onednn"  # no rows: the many-row rule
