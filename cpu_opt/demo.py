@@ -32,13 +32,14 @@ def _why_not_faster(rep: dict, speedup: float) -> str:
     val = rep.get("validation") or {}
     if val.get("fell_back"):
         return f"cpu_opt's plan disagreed with eager ({val['fell_back']}), so it runs in torch"
+    at = rep.get("autotune") or {}
+    if at.get("chosen") == "torch":
+        return (f"autotune measured the oneDNN plan slower here ({at['onednn_ms']} ms vs {at['torch_ms']} ms for "
+                "the same graph in torch) and kept torch's; what remains is cpu_opt's per-call cost on a model "
+                "this small" if speedup < 1 else "and kept torch's")
     if rep["num_partitions"] == 0:
         why = next((p for p in rep["passes"] if "runs in torch" in p), "no part of it went to oneDNN")
         return f"nothing ran on oneDNN: {why}"
-    at = rep.get("autotune") or {}
-    if at.get("chosen") == "torch":
-        return (f"autotune measured the oneDNN plan slower here ({at['onednn_ms']} ms vs {at['torch_ms']} ms in "
-                "torch) and kept torch's")
     return (f"{rep['num_partitions']} oneDNN partitions ran, but on this CPU their kernels are about as fast as "
             f"eager's (routes: {', '.join(f'{k} -> {v}' for k, v in rep['routes'].items())}); "
             "`python -m cpu_opt calibrate` measures the routes here")
