@@ -103,12 +103,14 @@ class _NotFoldable(Exception):
 _new_attr = iter(range(1 << 30))
 
 
-def _add_param(gm, tensor, before: torch.fx.Node, hint: str) -> torch.fx.Node:
+def _add_param(gm, tensor, before: torch.fx.Node, hint: str, meta_like: torch.Tensor | None = None) -> torch.fx.Node:
+    """A constant of cpu_opt's making (folded, transposed, prepacked) as a buffer of ``gm``;
+    ``meta_like`` describes it where the tensor itself has no plain layout (an mkldnn-packed weight)."""
     name = f"_cpu_opt_{hint}_{next(_new_attr)}"
-    gm.register_buffer(name, tensor.detach().contiguous())
+    gm.register_buffer(name, tensor.detach() if tensor.layout != torch.strided else tensor.detach().contiguous())
     with gm.graph.inserting_before(before):
         node = gm.graph.get_attr(name)
-    node.meta["val"] = torch.empty_like(tensor, device="meta")
+    node.meta["val"] = torch.empty_like(meta_like if meta_like is not None else tensor, device="meta")
     return node
 
 
@@ -354,6 +356,15 @@ def measure_linear(m: int, k: int, n: int, bias: bool, repeats: int = 7) -> dict
     return res
 
 
+def _packed_linear_weight(w_nk: torch.Tensor, rows: int) -> torch.Tensor:
+    """``mkldnn._reorder_linear_weight``: (N, K) weights in the layout torch's oneDNN linear wants
+    for ``rows`` activation rows (an mkldnn tensor); the plain weights where torch cannot pack."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w_nk.detach().contiguous(), rows)
+    except (RuntimeError, AttributeError):
+        return w_nk.detach().contiguous()
+
+
 def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -> list[str]:
     """Give every GEMM on constant weights its own route (``routing.route("linear", dtype,
     rows=...)``: this machine's measured profile for the layer's row class, else the table), or,
@@ -392,7 +403,10 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
             n.meta["cpu_opt_route"] = ("torch", why)
             in_torch += 1
             continue
-        w_node = _add_param(gm, w_nk, n, "linear_weight") if kn else w  # (K, N) weights: transposed once
+        # the weights packed once into oneDNN's blocked layout for this batch (rows), as torch's own
+        # frozen graphs do: 3-7% faster per call than handing it the (N, K) weights (128x768x3072:
+        # 7.46 vs 7.67 ms; 2048x768x3072: 74.8 vs 80.4; Zen 3, interleaved medians)
+        w_node = _add_param(gm, _packed_linear_weight(w_nk, rows), n, "linear_packed", meta_like=w_nk)
         with gm.graph.inserting_before(n):
             new = gm.graph.call_function(TORCH_LINEAR, (x, w_node, b, "none", [], ""))
         new.meta = dict(n.meta)

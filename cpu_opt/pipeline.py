@@ -32,7 +32,9 @@ class _KeptState:
     forward (a step counter, a cache) has it updated by the user's calls only."""
 
     def __init__(self, model: torch.nn.Module):
-        self._saved = [(b, b.detach().clone()) for b in model.buffers()]
+        # cpu_opt's own constants (folded, packed: "_cpu_opt_*") are never written; plain layouts only
+        self._saved = [(b, b.detach().clone()) for name, b in model.named_buffers()
+                       if b.layout == torch.strided and not name.rsplit(".", 1)[-1].startswith("_cpu_opt_")]
 
     def restore(self) -> None:
         with torch.no_grad():
