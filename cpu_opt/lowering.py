@@ -58,6 +58,9 @@ class Ctx:
     op_node: dict = field(default_factory=dict)       # oneDNN op id -> FX node
     consts: dict = field(default_factory=dict)        # lt id -> torch tensor (scalars)
     constant_nodes: set = field(default_factory=set)  # get_attr nodes (weights)
+    # get_attr nodes the graph writes into (a buffer used as state): not constants to oneDNN, whose
+    # constant tensor cache would keep their first value
+    state: set = field(default_factory=set)
     inner_ids: set = field(default_factory=set)       # lts of decomposed ops with no FX node
 
     def key(self, lt_id: int):
@@ -74,7 +77,7 @@ class Ctx:
         v = _val(n)
         if not isinstance(v, torch.Tensor) or not _ok_dtype(v):
             raise LoweringError(f"{n.name} is not a tensor oneDNN can take ({getattr(v, 'dtype', type(v).__name__)})")
-        const = n.op == "get_attr"
+        const = n.op == "get_attr" and n not in self.state
         t = self.g.tensor(tuple(v.shape), v.dtype, layout="any" if not const else "strided",
                           strides=None if not const else v.stride(), constant=const)
         self.lts[n] = t
@@ -358,8 +361,11 @@ def lower(gm: torch.fx.GraphModule, dtype: str, exclude: dict | None = None) -> 
     """Build the oneDNN graph for ``gm`` and partition it. ``exclude``: node name -> why that node
     must run in torch (validation found the partition holding it wrong)."""
     exclude = exclude or {}
+    from .passes import mutated_state
+
     g = G.Graph()
     ctx = Ctx(gm, g, dtype)
+    ctx.state = mutated_state(gm)
     fallbacks, views, attention, routed = {}, [], [], []
     routes = {w: routing.route(w, dtype) for w in ("gemm", "conv", "attention")}
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}

@@ -305,6 +305,32 @@ class OptimizedModule(torch.nn.Module):
         self._autotune = None
         self._lock = threading.Lock()
 
+    # ------------------------------------------------------------------ weights changed in place
+    def _watch_weights(self, reoptimize) -> None:
+        """Remember the version of every parameter: the plans hold what optimize derived from them
+        (BatchNorm folded into weights, transposed and prepacked copies, oneDNN's own constant cache
+        of packed weights), so an in-place update — ``load_state_dict``, an optimizer step, ``mul_`` —
+        would otherwise go unseen. A call that finds one changed optimizes the model again first.
+        Updates through ``.data`` or numpy bump no version and are not seen."""
+        params = list(self._model[0].parameters())
+        self._weights = [(t, t._version) for t in params]
+        self._reoptimize = reoptimize
+        self._refreshes = getattr(self, "_refreshes", 0)
+
+    def _weights_changed(self) -> bool:
+        ws = getattr(self, "_weights", None)
+        return bool(ws) and any(t._version != v for t, v in ws)
+
+    def _refresh(self) -> None:
+        with self._lock:
+            if not self._weights_changed():
+                return
+            fresh = self._reoptimize()
+            refreshes = self._refreshes + 1
+            keep = {k: v for k, v in fresh.__dict__.items() if k not in ("_lock",)}
+            self.__dict__.update(keep)
+            self._refreshes = refreshes
+
     # ------------------------------------------------------------------ calling
     def _fast_path(self):
         """(positional tensor count, single-tensor output?) for the common call ``model(t1, ..., tn)``
@@ -318,6 +344,8 @@ class OptimizedModule(torch.nn.Module):
         return fp
 
     def forward(self, *args, **kwargs):
+        if self._weights_changed():
+            self._refresh()
         n_fast, leaf_out = self._fast_path()
         if not kwargs and len(args) == n_fast and all(type(a) is torch.Tensor for a in args):
             sig = tuple((tuple(a.shape), a.dtype) for a in args)
@@ -460,6 +488,7 @@ class OptimizedModule(torch.nn.Module):
                                   "constants": [v for a, v in sig if isinstance(a, type)], **res}
                                  for sig, res in self._shape_checks.items()],
             "optimize_seconds": round(plan.seconds, 3),
+            "weight_refreshes": getattr(self, "_refreshes", 0),
             "validation": self._validation,
             "autotune": self._autotune,
             "routes": {w: routing.route(w, self.dtype).backend for w in ("gemm", "linear", "conv", "attention")},
@@ -606,6 +635,8 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     opt._base_plan.seconds = time.perf_counter() - t0
     for p in opt._plans.values():
         p.first_output = None  # do not keep the example's outputs alive
+    opt._watch_weights(lambda: optimize(model, _copies(example_inputs), dtype=dtype, dynamic=dynamic,
+                                        autotune=autotune, verbose=False, validate=validate, max_shapes=max_shapes))
     if verbose:
         opt.print_report()
     return opt

@@ -330,3 +330,28 @@ def test_validation_narrows_a_wrong_partition_down_and_runs_only_it_in_torch(mon
     x2 = torch.randn(9, 16)  # a new shape keeps the exclusion
     assert _close(opt(x2), m(x2).detach())
     assert opt.report()["shape_validation"][-1]["ok"]
+
+
+def test_weights_updated_in_place_after_optimize_are_seen():
+    """optimize derives things from the weights (BatchNorm folded in, transposed and packed copies,
+    oneDNN's constant cache of packed weights): a later in-place update (load_state_dict, mul_)
+    used to leave the optimized model computing with the old ones (53% off here). It now notices
+    the parameters' versions and optimizes again."""
+    m = nn.Sequential(nn.Linear(4096, 4096), nn.GELU(), nn.Linear(4096, 4096)).eval()  # GEMVs: oneDNN partitions
+    x = torch.randn(1, 4096)
+    opt = cpu_opt.optimize(m, x, dtype="fp32")
+    assert _close(opt(x), m(x).detach())
+    with torch.no_grad():
+        m[0].weight.mul_(2.0)
+    assert _close(opt(x), m(x).detach())
+    new = copy.deepcopy(m.state_dict())
+    new["2.bias"] += 1.0
+    m.load_state_dict(new)
+    assert _close(opt(x), m(x).detach())
+    assert opt.report()["weight_refreshes"] == 2
+    cnn = WithBatchNorm().eval()
+    xc = torch.randn(2, 3, 8, 8)
+    optc = cpu_opt.optimize(cnn, xc, dtype="fp32")
+    with torch.no_grad():
+        cnn.conv.weight.add_(0.5)  # BatchNorm was folded into this weight
+    assert _close(optc(xc), cnn(xc).detach())
