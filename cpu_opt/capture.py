@@ -148,9 +148,10 @@ def _register_library_pytrees(model) -> None:
     """Let torch.export trace through the output objects of model libraries: Hugging Face's cache
     classes (``DynamicCache`` ...), registered as pytree nodes by transformers' own exporter, so a
     decoder's ``past_key_values`` round-trips to the caller as the same type."""
-    mod = type(model).__module__ or ""
-    if not mod.startswith("transformers"):
+    hf = next((m for m in model.modules() if (type(m).__module__ or "").startswith("transformers")), None)
+    if hf is None:
         return
+    model = hf
     try:
         from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
     except ImportError:  # transformers before its exporters module: no cache outputs through export

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from . import passes
 from .progress import Progress
 from .platform import hw, routing
-from .capture import Captured, CaptureError, _is_constant, _propagate_shapes, capture, flatten_inputs, tensor_leaves
+from .capture import Captured, CaptureError, _is_constant, _register_library_pytrees, _propagate_shapes, capture, flatten_inputs, tensor_leaves
 from .errors import CpuOptError
 
 aten = torch.ops.aten
@@ -453,6 +453,21 @@ class OptimizedModule(torch.nn.Module):
         self._shape_checks[sig] = res
         return plan
 
+    # ------------------------------------------------------------------ generation
+    def generate(self, *args, **kwargs):
+        """For a Hugging Face causal LM: its ``generate()`` with every forward call optimized (one
+        plan per call structure: prefill, decode; a static KV cache by default, so the decode shapes
+        never change). Same tokens as eager's ``generate`` with the same arguments."""
+        from .generate import StructureDispatch, generate
+
+        with self._lock:
+            d = getattr(self, "_generation", None)
+            if d is None:
+                d = self._generation = StructureDispatch(self._model[0], {
+                    "dtype": self.dtype, "validate": self._options.get("validate", True),
+                    "max_shapes": self._options.get("max_shapes", MAX_SHAPES)})
+        return generate(self._model[0], *args, dispatch=d, **kwargs)
+
     # ------------------------------------------------------------------ reporting
     def report(self) -> dict:
         plan = self._base_plan
@@ -615,6 +630,7 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
             print(arm.report_text())
         return arm
     args, kwargs = flatten_inputs(example_inputs)
+    _register_library_pytrees(model)  # model libraries' input objects (HF caches) flatten to tensors
     odd = [type(t).__name__ for t in pytree.tree_leaves((args, kwargs))
            if not isinstance(t, torch.Tensor) and not _is_constant(t)]
     if odd:
