@@ -129,10 +129,9 @@ def _resolve_dtype(dtype: str) -> str:
     if dtype == "auto":
         return routing.auto_dtype()
     if dtype == "int8":
-        raise NotImplementedError("dtype='int8' arrives with the quantization work (cpu_opt.quant); "
-                                  "use 'auto', 'fp32' or 'bf16'")
+        return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be 'auto', 'fp32' or 'bf16', got {dtype!r}")
+        raise ValueError(f"dtype must be 'auto', 'fp32', 'bf16' or 'int8', got {dtype!r}")
     return dtype
 
 
@@ -231,7 +230,7 @@ class Plan:
 
 def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbose: bool, progress: Progress,
                 use_onednn: bool = True, shapes_known: bool = True, measure: bool = False,
-                exclude: dict | None = None) -> Plan:
+                exclude: dict | None = None, int8=None) -> Plan:
     from .lowering import lower
     from .runtime import build_program
 
@@ -241,6 +240,14 @@ def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbo
         _propagate_shapes(gm, flat_in)
     log = passes.run_passes(gm)
     progress.step("passes")
+    if dtype == "int8":  # int8 layers in the graph (cpu_opt.quant.graph), everything else fp32
+        from .quant.graph import quantize_graph
+
+        if int8 is None:
+            raise CpuOptError("dtype='int8' needs calibration (optimize(..., calibration_data=...))")
+        log += quantize_graph(gm, *int8)
+        _propagate_shapes(gm, flat_in)
+        dtype = "fp32"
     if dtype == "bf16":
         log += passes.cast_params(gm, torch.bfloat16)
         _cast_inputs_outputs(gm, torch.bfloat16, out_dtypes)
@@ -419,7 +426,7 @@ class OptimizedModule(torch.nn.Module):
                 return _build_plan(gm, tin, self.dtype, self._options["out_dtypes"], False,
                                    Progress(False, 4, ""), use_onednn=self._options["use_onednn"],
                                    shapes_known=False, measure=self._options.get("autotune", False),
-                                   exclude=self._options.get("exclude"))
+                                   exclude=self._options.get("exclude"), int8=self._options.get("int8"))
             except Exception as e:  # noqa: BLE001
                 raise CpuOptError(f"new input shapes {_shapes(sig)}: re-planning the dynamic "
                                   f"graph failed: {e}") from e
@@ -430,7 +437,7 @@ class OptimizedModule(torch.nn.Module):
             raise CpuOptError(f"new input shapes {_shapes(sig)}: re-capture failed: {e}") from e
         plan = _build_plan(cap.gm, tin, self.dtype, _out_dtypes(cap, self._options), False, Progress(False, 4, ""),
                            use_onednn=self._options["use_onednn"], measure=self._options.get("autotune", False),
-                           exclude=self._options.get("exclude"))
+                           exclude=self._options.get("exclude"), int8=self._options.get("int8"))
         plan.out_spec = cap.out_spec  # other constants can give another output structure
         return plan
 
@@ -447,7 +454,7 @@ class OptimizedModule(torch.nn.Module):
         if not res["ok"]:
             cap = capture(model, kwargs if kwargs else args, eager_output=ref)
             plan = _build_plan(cap.gm, tensor_leaves(flat), self.dtype, _out_dtypes(cap, self._options), False,
-                               Progress(False, 4, ""), use_onednn=False)
+                               Progress(False, 4, ""), use_onednn=False, int8=self._options.get("int8"))
             plan.out_spec = cap.out_spec
             res["fell_back"] = "outputs differed from eager at this shape; it runs in torch"
         self._shape_checks[sig] = res
@@ -506,8 +513,15 @@ class OptimizedModule(torch.nn.Module):
             "weight_refreshes": getattr(self, "_refreshes", 0),
             "validation": self._validation,
             "autotune": self._autotune,
-            "routes": {w: routing.route(w, self.dtype).backend for w in ("gemm", "linear", "conv", "attention")},
+            "routes": {w: routing.route(w, self.dtype if self.dtype != "int8" or w != "attention" else "fp32").backend
+                       for w in ("gemm", "linear", "conv", "attention")},
+            **(self._int8_report() if self.dtype == "int8" else {}),
         }
+
+    def _int8_report(self) -> dict:
+        st = self._options["int8"][1]
+        return {"int8": list(st.layers_report),
+                "int8_fp32_layers": [{"node": n, "why": w} for n, w in st.skipped]}
 
     def print_report(self) -> None:
         r = self.report()
@@ -545,8 +559,24 @@ def _compare(out, ref, dtype: str) -> dict:
               for x, y in zip(a, b))
     cos = min(torch.nn.functional.cosine_similarity(exact(x).flatten(), exact(y).flatten(), dim=0).item()
               for x, y in zip(a, b))
-    ok = rel <= 1e-3 if dtype == "fp32" else cos >= 0.99
-    return {"ok": ok, "max_rel_err": rel, "min_cosine": cos}
+    # int8: the quantization error is the user's choice (reported as SQNR); this guards the kernels
+    ok = rel <= 1e-3 if dtype == "fp32" else cos >= (INT8_MIN_COSINE if dtype == "int8" else 0.99)
+    res = {"ok": ok, "max_rel_err": rel, "min_cosine": cos}
+    if dtype == "int8":
+        res["min_sqnr_db"] = min(_sqnr(x, y) for x, y in zip(a, b))
+    return res
+
+
+INT8_MIN_COSINE = 0.97  # below it, an int8 plan is treated as broken (narrowed, then run in torch)
+
+
+def _sqnr(x, y) -> float:
+    """Signal-to-quantization-noise ratio of ``x`` against the reference ``y``, in dB."""
+    import math
+
+    noise = (x.double() - y.double()).pow(2).sum().item()
+    sig = y.double().pow(2).sum().item()
+    return float("inf") if noise == 0 else 10 * math.log10(max(sig, 1e-300) / noise)
 
 
 def _dynamic_shapes(example_inputs, dynamic):
@@ -580,7 +610,8 @@ def _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options) -> O
     example inputs, and keep the faster one (the report says which, with both times)."""
     cap2 = capture(model, example_inputs)
     opts2 = dict(options, use_onednn=False)
-    plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False)
+    plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False,
+                        int8=options.get("int8"))
     alt = OptimizedModule(model, cap2, plan2, dt, pytree.tree_leaves(flatten_inputs(example_inputs)), opts2)
     args, kwargs = flatten_inputs(example_inputs)
     t_onednn = _median_seconds(lambda: opt(*args, **kwargs))
@@ -596,7 +627,8 @@ MAX_SHAPES = 32  # plans kept per optimized model (LRU; the example's plan is ne
 
 
 def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dynamic=None, autotune: bool = False,
-             verbose: bool = False, validate: bool = True, max_shapes: int = MAX_SHAPES) -> OptimizedModule:
+             verbose: bool = False, validate: bool = True, max_shapes: int = MAX_SHAPES, calibration_data=None,
+             qconfig_mapping=None, _int8_state=None) -> OptimizedModule:
     """Optimize ``model`` for this CPU.
 
     ``example_inputs``: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
@@ -612,6 +644,15 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     differs (fp32: 1e-3 relative; bf16: cosine 0.99) — never silently wrong; each new shape is
     compared once too, on its first call. ``max_shapes``: how many input shapes keep a compiled
     plan (least recently used evicted first, the example's kept; 0 = no bound).
+
+    ``dtype="int8"``: post-training static int8 in one call. ``calibration_data`` (an iterable of
+    inputs shaped like ``example_inputs``: tensors, tuples or dicts) is run through the captured
+    graph with observers on the input and output of each Linear/Conv2d layer that
+    ``qconfig_mapping`` selects (default: ``cpu_opt.quant.default_qconfig_mapping()``); each becomes
+    an int8 kernel on the family routing picks (FBGEMM, torch's oneDNN, cpu_opt's oneDNN), with the
+    following ReLU/GELU/SiLU fused and consecutive int8 layers chained in uint8; the rest of the
+    graph is optimized as in fp32. ``.report()["int8"]`` lists each layer's kernel and why;
+    validation reports the cosine and SQNR against the fp32 model.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -619,6 +660,11 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
         raise ValueError(f"max_shapes must be an int >= 0, got {max_shapes!r}")
     dt = _resolve_dtype(dtype)
     info = hw.detect()
+    if dt == "int8" and info.arch == "aarch64":
+        raise NotImplementedError("dtype='int8' runs on x86-64 only for now (FBGEMM / oneDNN int8 kernels); on "
+                                  "aarch64 use dtype='bf16' or 'auto'")
+    if dt != "int8" and (calibration_data is not None or qconfig_mapping is not None):
+        raise ValueError(f"calibration_data and qconfig_mapping are for dtype='int8' (got dtype={dtype!r})")
     if info.arch == "aarch64":
         # aarch64: ACL through torch's own oneDNN; cpu_opt's binding and native kernels are not
         # used there (no oneDNN wheel for aarch64).
@@ -636,6 +682,9 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     if odd:
         raise TypeError(f"example inputs must be tensors or plain constants (bool, int, float, str, None) in "
                         f"tuples/lists/dicts; got {odd}")
+    int8 = None
+    if dt == "int8":
+        int8 = (model, _int8_state or _int8_setup(args, kwargs, calibration_data, qconfig_mapping, autotune))
     was_training = model.training
     model.eval()
     progress = Progress(verbose, 5, f"cpu_opt.optimize({type(model).__name__})")
@@ -643,7 +692,7 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     try:
         with _KeptState(model) as state:
             opt = _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbose, validate, max_shapes,
-                            progress, state)
+                            progress, state, int8)
     finally:
         if was_training:
             model.train()
@@ -652,14 +701,48 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     for p in opt._plans.values():
         p.first_output = None  # do not keep the example's outputs alive
     opt._watch_weights(lambda: optimize(model, _copies(example_inputs), dtype=dtype, dynamic=dynamic,
-                                        autotune=autotune, verbose=False, validate=validate, max_shapes=max_shapes))
+                                        autotune=autotune, verbose=False, validate=validate, max_shapes=max_shapes,
+                                        _int8_state=int8[1] if int8 else None))
     if verbose:
         opt.print_report()
     return opt
 
 
+def _int8_setup(args, kwargs, calibration_data, qconfig_mapping, autotune=False):
+    """The int8 state for optimize: the mapping, and each calibration item flattened like the
+    example inputs (same structure and constants; only tensors may differ)."""
+    from .quant.graph import Int8State
+    from .quant.qconfig import QConfigMapping, default_qconfig_mapping
+
+    if calibration_data is None:
+        raise ValueError("dtype='int8' needs calibration_data: an iterable of inputs like example_inputs (a few "
+                         "dozen representative batches; the example inputs alone give a poor range)")
+    mapping = qconfig_mapping if qconfig_mapping is not None else default_qconfig_mapping()
+    if not isinstance(mapping, QConfigMapping):
+        raise TypeError(f"qconfig_mapping must be a cpu_opt.quant.QConfigMapping, got {type(mapping).__name__}")
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    flats = []
+    for i, item in enumerate(calibration_data):
+        a, k = flatten_inputs(item)
+        il, ispec = pytree.tree_flatten((a, k))
+        if ispec != spec:
+            raise ValueError(f"calibration item {i} is structured differently from example_inputs ({ispec} vs {spec})")
+        for j, (x, e) in enumerate(zip(il, leaves)):
+            if isinstance(e, torch.Tensor) != isinstance(x, torch.Tensor) or \
+                    (not isinstance(e, torch.Tensor) and x != e):
+                raise ValueError(f"calibration item {i}, input leaf {j}: {x!r} where example_inputs has {e!r} "
+                                 "(non-tensor inputs are constants of the capture and must match)")
+            if isinstance(e, torch.Tensor) and (x.dim() != e.dim() or x.dtype != e.dtype):
+                raise ValueError(f"calibration item {i}, input leaf {j}: {x.dtype} rank {x.dim()}; example_inputs "
+                                 f"has {e.dtype} rank {e.dim()}")
+        flats.append(tensor_leaves(il))
+    if not flats:
+        raise ValueError("calibration_data is empty")
+    return Int8State(mapping, flats, autotune=bool(autotune))
+
+
 def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbose, validate, max_shapes, progress,
-              state: _KeptState) -> OptimizedModule:
+              state: _KeptState, int8=None) -> OptimizedModule:
     with torch.no_grad():
         a, k = _copies((args, kwargs))  # the reference must not write into the user's example inputs
         ref = model(*a, **k)
@@ -676,8 +759,9 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
     options = {"out_dtypes": out_dtypes, "use_onednn": True, "dynamic": bool(dynamic), "autotune": bool(autotune),
                "pristine": copy.deepcopy(captured.gm) if dynamic and not captured.constants else None,
                "validate": bool(validate),
-               "max_shapes": max_shapes}
-    plan = _build_plan(captured.gm, flat_in, dt, out_dtypes, verbose, progress, measure=bool(autotune))
+               "max_shapes": max_shapes, "int8": int8}
+    plan = _build_plan(captured.gm, flat_in, dt, out_dtypes, verbose, progress, measure=bool(autotune),
+                       int8=options.get("int8"))
     state.restore()
     opt = OptimizedModule(model, captured, plan, dt, leaves, options)
     if validate:
@@ -695,7 +779,7 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
                 cap2 = capture(model, example_inputs, eager_output=ref)
                 state.restore()
                 plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""),
-                                    exclude=exclude)
+                                    exclude=exclude, int8=options.get("int8"))
                 state.restore()
                 res2 = _compare(pytree.tree_unflatten(list(plan2.first_output), cap2.out_spec), ref, dt)
                 if res2["ok"]:
@@ -706,7 +790,8 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
             # never silently wrong: rebuild without oneDNN and say so
             cap2 = capture(model, example_inputs, eager_output=ref)
             options["use_onednn"] = False
-            plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False)
+            plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False,
+                                int8=options.get("int8"))
             state.restore()
             opt = OptimizedModule(model, cap2, plan2, dt, leaves, options)
             res["fell_back"] = "outputs differed from eager; the whole graph now runs in torch"

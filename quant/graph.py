@@ -1,0 +1,390 @@
+"""int8 in the captured graph: what ``cpu_opt.optimize(model, x, dtype="int8",
+calibration_data=...)`` runs between the fp32 passes (BatchNorm folded, dropout gone) and lowering.
+
+1. find each GEMM on constant weights (``linear``/``addmm``/``mm``) and each 2-D convolution the
+   qconfig mapping selects (the layer's module name comes from the node's ``nn_module_stack``),
+   and the activation right after it (ReLU, GELU erf/tanh, SiLU) when it is the layer's only user:
+   that activation is fused into the kernel;
+2. observe, in the graph, the input of each layer and the value it produces (after the fused
+   activation), and run the calibration data through the graph (so BatchNorm is already folded
+   into what is observed);
+3. replace each layer (+ activation) by one call of its int8 kernel (:mod:`.kernels`) on the family
+   ``cpu_opt.routing`` picks for its shape; where every consumer of a layer's output is an int8
+   layer with the same input scale, the producer writes uint8 with that scale and the consumers
+   read it as it is: a chain, no dequantize and quantize between them.
+
+The calibrated parameters are kept (:class:`Int8State`), so a new input shape re-plans without
+calibrating again.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.fx
+
+from cpu_opt import passes
+
+from . import kernels as K
+from .modules import _weight_qparams, smoothquant_scales
+from .observer import MinMaxObserver, PerChannelMinMaxObserver
+from .qconfig import QConfigMapping
+
+aten = torch.ops.aten
+
+CONV = (aten.conv2d.default, aten.convolution.default)
+
+
+def _act(n: torch.fx.Node) -> str | None:
+    if n.op != "call_function":
+        return None
+    if n.target in (aten.relu.default, aten.relu_.default):
+        return "relu"
+    if n.target in (aten.silu.default, aten.silu_.default):
+        return "silu"
+    if n.target == aten.gelu.default:
+        approx = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
+        return "gelu_tanh" if approx == "tanh" else "gelu_erf"
+    return None
+
+
+def _module_name(n: torch.fx.Node) -> str | None:
+    stack = n.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    return path if isinstance(path, str) else None
+
+
+class Layer:
+    __slots__ = ("node", "kind", "name", "key", "qconfig", "x", "w", "b", "conv", "act", "value", "module", "add",
+                 "other")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw.get(k))
+
+
+def find_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, mapping: QConfigMapping):
+    """The layers to quantize, in graph order, and (node name, why) for those kept in fp32."""
+    layers, skipped, seen, claimed = [], [], {}, set()
+    for n in gm.graph.nodes:
+        ops = passes._linear_operands(gm, n)
+        kind = None
+        if ops is not None:
+            x, w_node, wt, kn, b_node = ops
+            w = wt.t() if kn else wt
+            kind, conv = "linear", None
+        elif n.op == "call_function" and n.target in CONV:
+            a = list(n.args)
+            if n.target == aten.convolution.default:
+                x, w_node, b_node, stride, padding, dilation, transposed, _op, groups = a[:9]
+                if transposed:
+                    continue
+            else:  # conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1)
+                x, w_node = a[:2]
+                names = ("bias", "stride", "padding", "dilation", "groups")
+                rest = dict(zip(names, (None, [1, 1], [0, 0], [1, 1], 1)))
+                rest.update(zip(names, a[2:]))
+                rest.update({k: v for k, v in n.kwargs.items() if k in rest})
+                b_node, stride, padding, dilation, groups = (rest[k] for k in names)
+            if not isinstance(w_node, torch.fx.Node) or w_node.op != "get_attr" or isinstance(padding, str):
+                continue
+            try:
+                w = passes._get_param(gm, w_node)
+                passes._get_param(gm, b_node)
+            except passes._NotFoldable:
+                continue
+            vx = passes._val(x)
+            if w.dim() != 4 or not isinstance(vx, torch.Tensor) or vx.dim() != 4 or vx.dtype != torch.float32:
+                continue
+            kind, conv = "conv2d", dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+        if kind is None:
+            continue
+        name = _module_name(n) or n.name
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            module = None
+        qc = mapping.qconfig_for(name, module) if module is not None else mapping.qconfig_for(name, None)
+        if qc is None:
+            skipped.append((n.name, f"{name}: qconfig None, kept in fp32"))
+            continue
+        if qc.activation is None or qc.dynamic:
+            skipped.append((n.name, f"{name}: {'dynamic' if qc.dynamic else 'weight-only'} qconfigs are not "
+                                    "graph-quantized (use quant.quantize_dynamic / quantize_weight_only): kept in fp32"))
+            continue
+        add, other = _residual(n) if kind == "conv2d" else (None, None)
+        if add is not None and add in claimed:   # conv + conv: the first one takes the add
+            add, other = None, None
+        claimed.add(add)
+        last = add if add is not None else n
+        users = list(last.users)
+        act = users[0] if len(users) == 1 and _act(users[0]) else None
+        i = seen[name] = seen.get(name, -1) + 1
+        layers.append(Layer(node=n, kind=kind, name=name, key=f"{name}#{i}", qconfig=qc, x=x, w=w,
+                            b=passes._get_param(gm, b_node), conv=conv, act=act, add=add, other=other,
+                            value=act if act is not None else last, module=module))
+    return layers, skipped
+
+
+def _residual(n: torch.fx.Node):
+    """``(add node, other operand)`` when the convolution's only use is ``conv + other`` (a
+    residual, same shape, alpha 1): the add runs fused with the convolution."""
+    users = list(n.users)
+    if len(users) != 1:
+        return None, None
+    u = users[0]
+    if u.op != "call_function" or u.target != aten.add.Tensor or u.kwargs.get("alpha", 1) != 1 or len(u.args) != 2:
+        return None, None
+    a0, a1 = u.args
+    other = a1 if a0 is n else a0 if a1 is n else None
+    if not isinstance(other, torch.fx.Node) or other is n:
+        return None, None
+    vo, vn = passes._val(other), passes._val(n)
+    if not isinstance(vo, torch.Tensor) or vo.shape != vn.shape or vo.dtype != torch.float32:
+        return None, None
+    return u, other
+
+
+class Int8State:
+    """What calibration established, kept across re-plans for new shapes: per layer key, the
+    input and output quantization parameters (and SmoothQuant's channel ranges)."""
+
+    def __init__(self, mapping: QConfigMapping, calibration, autotune: bool = False):
+        self.mapping = mapping
+        self.autotune = autotune            # time the kernel families per layer instead of routing
+        self.calibration = calibration      # list of flat input lists; dropped once used
+        self.qparams: dict[str, dict] = {}
+        self.layers_report: list[dict] = []
+        self.skipped: list = []
+
+
+def _calibrate(gm, layers, calibration) -> dict:
+    """Observers in the graph, the calibration inputs run through it, observers out again."""
+    obs = {}
+    added = []
+    for i, L in enumerate(layers):
+        act = L.qconfig.activation
+        if L.kind == "linear" and L.qconfig.smoothquant_alpha is not None:
+            probe = act()
+            o_in = PerChannelMinMaxObserver(ch_axis=1, dtype=probe.dtype, qscheme=torch.per_channel_affine,
+                                            reduce_range=probe.reduce_range)
+            o_in._cpu_opt_rows = True
+        else:
+            o_in = act()
+        o_out = act()
+        o_other = act() if L.other is not None else None
+        o_raw = act() if L.other is not None else None
+        obs[L.key] = (o_in, o_out, o_other, o_raw)
+        for role, o, node in (("in", o_in, L.x), ("out", o_out, L.value), ("other", o_other, L.other),
+                              ("raw", o_raw, L.node)):
+            if o is None:
+                continue
+            attr = f"_cpu_opt_obs_{i}_{role}"
+            gm.add_submodule(attr, _Observe(o))
+            with gm.graph.inserting_after(node):
+                added.append(gm.graph.call_module(attr, (node,)))
+    gm.recompile()
+    try:
+        with torch.no_grad():
+            for flat in calibration:
+                gm(*flat)
+    finally:
+        for a in added:
+            gm.graph.erase_node(a)
+            delattr(gm, a.target)
+        gm.recompile()
+    out = {}
+    for key, (o_in, o_out, o_other, o_raw) in obs.items():
+        if not o_in.observed:
+            raise RuntimeError(f"int8: layer {key.split('#')[0]!r} saw no input during calibration")
+        out[key] = {"in": o_in, "out": o_out, "other": o_other, "raw": o_raw}
+    return out
+
+
+class _Observe(torch.nn.Module):
+    def __init__(self, obs):
+        super().__init__()
+        self.obs = obs
+
+    def forward(self, x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
+            self.obs(x.detach().reshape(-1, x.shape[-1]) if getattr(self.obs, "_cpu_opt_rows", False) else x.detach())
+        return x
+
+
+def _qp(o) -> tuple[float, int]:
+    s, z = o.calculate_qparams()
+    return float(s.reshape(-1)[0]), int(z.reshape(-1)[0])
+
+
+_kernel_ids = itertools.count()
+
+
+def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8State) -> list[str]:
+    """The pass (see the module docstring). Returns the log lines; ``state.layers_report`` gets a
+    row per layer."""
+    from .api import choose_family
+
+    layers, skipped = find_layers(gm, model, state.mapping)
+    state.skipped = skipped
+    if not layers:
+        return ["int8: no Linear/Conv2d layer selected by the qconfig mapping; the graph stays fp32"]
+    if not state.qparams:
+        if not state.calibration:
+            raise RuntimeError("int8: no calibration data")
+        state.qparams = _calibrate(gm, layers, state.calibration)
+        state.calibration = None
+    missing = [L.key for L in layers if L.key not in state.qparams]
+    if missing:
+        raise RuntimeError(f"int8: layers {missing} are new in this graph (not calibrated)")
+    # input qparams per layer (SmoothQuant layers quantize x / s: computed from the channel ranges)
+    x_qp, smooth = {}, {}
+    for L in layers:
+        o_in = state.qparams[L.key]["in"]
+        if isinstance(o_in, PerChannelMinMaxObserver):
+            s = smoothquant_scales(o_in.min_val, o_in.max_val, L.w, L.qconfig.smoothquant_alpha)
+            probe = L.qconfig.activation()
+            mm = MinMaxObserver(dtype=probe.dtype, qscheme=probe.qscheme, reduce_range=probe.reduce_range)
+            mm(torch.stack([(o_in.min_val / s).min(), (o_in.max_val / s).max()]))
+            x_qp[L.key], smooth[L.key] = _qp(mm), s
+        else:
+            x_qp[L.key] = _qp(o_in)
+    by_input: dict = {}
+    by_other: dict = {}
+    for L in layers:
+        by_input.setdefault(L.x, []).append(L)
+        if L.other is not None:
+            by_other.setdefault(L.other, []).append(L)
+    report = []
+    new_nodes = {}
+    chain_qp = {}   # new node writing uint8 -> its (scale, zero point)
+    for L in layers:
+        # a chain: every user of the value is an int8 layer reading it as its input (all with the
+        # same scale) or as the residual of a fused convolution + add
+        users = list(L.value.users)
+        consumers = [c for c in by_input.get(L.value, []) if c.key not in smooth]
+        residuals = by_other.get(L.value, [])
+        chained = (bool(users) and len(consumers) + len(residuals) == len(users)
+                   and {c.node for c in consumers} | {c.add for c in residuals} == set(users)
+                   and len({x_qp[c.key] for c in consumers}) <= 1
+                   and all(sum(1 for a in c.node.args if a is L.value) == 1 for c in consumers)
+                   and all(sum(1 for a in c.add.args if a is L.value) == 1 for c in residuals))
+        out_qp = (x_qp[consumers[0].key] if consumers else _qp(state.qparams[L.key]["out"])) if chained else None
+        vx = passes._val(L.x)
+        rows = vx.numel() // vx.shape[-1] if L.kind == "linear" else vx.shape[0]
+        macs = rows * L.w.numel() if L.kind == "linear" else \
+            vx.shape[0] * vx.shape[2] * vx.shape[3] * L.w.numel() // max(1, _first(L.conv["stride"]) ** 2)
+        fam, why = choose_family(L.kind, rows, macs)
+        w = L.w.detach().float()
+        if L.key in smooth:
+            w = w * smooth[L.key][None, :]
+        wq, ws = _weight_qparams(L.qconfig, w)
+        post = _act(L.act) if L.act is not None else None
+
+        def build(fam):
+            kw = dict(post_op=post, out_qparams=out_qp)
+            if L.kind == "linear":
+                if fam == "torch_onednn":
+                    kw["rows"] = rows
+                k = K.LINEAR_KERNELS[fam](wq, ws, L.b, x_qp[L.key], **kw)
+            else:
+                if fam == "torch_onednn":
+                    kw["x_shape"] = tuple(vx.shape)
+                k = K.CONV_KERNELS[fam](wq, ws, L.b, x_qp[L.key], **L.conv, **kw)
+            k.own_out_qparams = _qp(state.qparams[L.key]["out"])
+            if L.other is not None:
+                k.raw_qparams = _qp(state.qparams[L.key]["raw"])
+            return k
+
+        if state.autotune:
+            fam, why = _measure_families(L, build, vx, x_qp[L.key], state) or (fam, why)
+        kernel = build(fam)
+        kernel.__name__ = f"int8_{L.kind}_{next(_kernel_ids)}"
+        x_in = new_nodes.get(L.x, L.x)
+        args = (x_in,)
+        if L.other is not None:
+            o_in = new_nodes.get(L.other, L.other)
+            kernel.other_qparams = chain_qp.get(o_in) or _qp(state.qparams[L.key]["other"])
+            args = (x_in, o_in)
+        with gm.graph.inserting_before(L.value):
+            if L.key in smooth:
+                inv = passes._add_param(gm, (1.0 / smooth[L.key]).float(), L.node, "smooth_inv")
+                x_in = gm.graph.call_function(aten.mul.Tensor, (x_in, inv))
+                x_in.meta["val"] = vx
+            new = gm.graph.call_function(kernel, args)
+        vv = passes._val(L.value)
+        new.meta = {k: v for k, v in L.value.meta.items() if k != "val"}
+        new.meta["val"] = torch.empty_strided(vv.shape, vv.stride(), dtype=torch.uint8 if chained else vv.dtype,
+                                              device="meta")
+        new.meta["cpu_opt_route"] = (f"int8:{fam}", why)
+        L.value.replace_all_uses_with(new)
+        new_nodes[L.value] = new
+        if chained:
+            chain_qp[new] = out_qp
+        for dead in [d for d in (L.act, L.add) if d is not None] + [L.node]:
+            gm.graph.erase_node(dead)
+        report.append({"layer": L.name, "node": new.name, "kind": L.kind, "family": fam, "why": why,
+                       "post_op": post, "residual_add": L.add is not None, "smoothquant": L.key in smooth,
+                       "out": "uint8 (chained)" if chained else "fp32",
+                       "in": "uint8 (chained)" if L.x in new_nodes else "fp32"})
+    # inputs that were chained were recorded by their (now replaced) value node: fix the "in" column
+    chained_values = {n for n in new_nodes.values() if passes._val(n) is not None and passes._val(n).dtype == torch.uint8}
+    for r, L in zip(report, layers):
+        r["in"] = "uint8 (chained)" if new_nodes.get(L.x, L.x) in chained_values else "fp32"
+    gm.graph.eliminate_dead_code()
+    passes._drop_unused_attrs(gm)
+    gm.graph.lint()
+    gm.recompile()
+    state.layers_report = report
+    fams: dict = {}
+    for r in report:
+        fams[r["family"]] = fams.get(r["family"], 0) + 1
+    n_chain = sum(r["out"].startswith("uint8") for r in report)
+    fused = sum(r["post_op"] is not None for r in report)
+    return [f"int8: {len(report)} layer(s) quantized ({', '.join(f'{v} on {k}' for k, v in fams.items())}), "
+            f"{fused} with the activation fused, {n_chain} writing uint8 straight into the next int8 layer"
+            + (f"; {len(skipped)} kept in fp32" if skipped else "")]
+
+
+def _measure_families(L, build, vx, x_qp, state):
+    """``optimize(..., dtype="int8", autotune=True)``: each family that builds here, timed on this
+    layer's shape (fp32 input holding values on the calibrated grid; medians of 7, interleaved)."""
+    import statistics
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    s, z = x_qp
+    x = ((torch.randint(0, 128, vx.shape, generator=g).float() - z) * s).contiguous(
+        memory_format=torch.channels_last if vx.dim() == 4 else torch.contiguous_format)
+    other = None
+    if L.other is not None:
+        other = torch.randn(passes._val(L.other).shape, generator=g)
+    cands = {}
+    for fam in (K.LINEAR_KERNELS if L.kind == "linear" else K.CONV_KERNELS):
+        if fam == "torch":
+            continue
+        try:
+            k = build(fam)
+            if L.other is not None:
+                k.other_qparams = _qp(state.qparams[L.key]["other"])
+            k(x, other) if other is not None else k(x)
+            cands[fam] = k
+        except Exception:  # noqa: BLE001 - a family that cannot build or run here is no candidate
+            continue
+    if not cands:
+        return None
+    times = {f: [] for f in cands}
+    for _ in range(7):
+        for f, k in cands.items():
+            t0 = time.perf_counter()
+            k(x, other) if other is not None else k(x)
+            times[f].append(time.perf_counter() - t0)
+    med = {f: statistics.median(v) for f, v in times.items()}
+    best = min(med, key=med.get)
+    return best, "measured on this layer's shape: " + ", ".join(f"{f} {t * 1e3:.3f} ms" for f, t in med.items())
+
+
+def _first(v):
+    return v[0] if isinstance(v, (list, tuple)) else v
