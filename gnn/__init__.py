@@ -5,14 +5,18 @@ and their use inside PyTorch Geometric (:func:`optimize`).
     out = gnn.spmm(adj_t, x, reduce="mean")          # adj_t: gnn.CSRGraph or torch sparse CSR
     out = gnn.scatter(src, index, 0, n, reduce="max")
     fast = gnn.optimize(pyg_model)                     # PyG's aggregation on cpu_opt kernels
+    sub = gnn.neighbor_sample(rowptr, col, seeds, [15, 10, 5])   # k-hop sampling (gnn/sampling.py)
+    gnn.install_sampler()                              # PyG's NeighborLoader without pyg-lib
 """
 from . import _autograd  # noqa: F401  (registers autograd on the ops)
 from ._kernels import use_variant
 from .graph import CSRGraph, adj_t_from_edge_index, sort_cache
 from .ops import gather, index_select, scatter, scatter_reduce, spmm
+from .sampling import SampledSubgraph, install_sampler, neighbor_sample, sampler_installed, uninstall_sampler
 
-__all__ = ["CSRGraph", "adj_t_from_edge_index", "gather", "index_select", "optimize", "patched",
-           "scatter", "scatter_reduce", "sort_cache", "spmm", "use_variant"]
+__all__ = ["CSRGraph", "SampledSubgraph", "adj_t_from_edge_index", "gather", "index_select", "install_sampler",
+           "neighbor_sample", "optimize", "patched", "sampler_installed", "scatter", "scatter_reduce", "sort_cache",
+           "spmm", "uninstall_sampler", "use_variant"]
 
 
 def __getattr__(name):  # the PyG integration imports torch_geometric: load it on first use

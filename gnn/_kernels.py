@@ -446,3 +446,80 @@ def gather_rows(src, index, out=None):
     if st:
         _raise_index("gather", st, bad[0], "index", index, src.shape[0])
     return out
+
+
+# ----------------------------------------------------------------------------- sampling
+
+SAMPLE_STRATEGIES = {"uniform": 0, "last": 1}
+TIME_DTYPES = {torch.int64: ("i64", "int64_t *"), torch.float64: ("f64", "double *")}
+
+
+def _take_owned(ptr, n: int) -> torch.Tensor:
+    """An int64 tensor over ``n`` values the kernel malloc'ed, without a copy: the tensor keeps the
+    buffer alive, which frees it (co_free) when the tensor goes."""
+    ffi, lib = native.ffi(), native.lib()
+    if ptr == ffi.NULL:
+        return torch.empty(0, dtype=torch.int64)
+    owned = ffi.gc(ptr, lib.co_free)
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(ffi.buffer(owned, n * 8), dtype=torch.int64)
+
+
+def neighbor_sample(rowptr, col, seeds, fanouts: list, *, replace: bool, directed: bool, disjoint: bool,
+                    node_time=None, edge_time=None, seed_time=None, strategy: str = "uniform", rng_seed: int = 0):
+    """Uniform k-hop neighbour sampling over the CSR ``(rowptr, col)`` (native/kernels/sample.c).
+
+    Arguments are expected checked by :func:`cpu_opt.gnn.sampling.neighbor_sample` (dtypes:
+    rowptr, col, seeds int64; times all int64 or all float64). Returns ``(node, batch, row, col,
+    edge, nodes_per_hop, edges_per_hop)``: batch is None unless ``disjoint``. A bad index raises
+    (IndexError for col, ValueError for rowptr and duplicate seeds) before any output exists."""
+    rowptr = check_tensor(rowptr, "rowptr", dtypes=(torch.int64,), dim=1).contiguous()
+    col = check_tensor(col, "col", dtypes=(torch.int64,), dim=1).contiguous()
+    seeds = check_tensor(seeds, "seeds", dtypes=(torch.int64,), dim=1).contiguous()
+    times = [t for t in (node_time, edge_time, seed_time) if t is not None]
+    tdt = times[0].dtype if times else torch.int64
+    if tdt not in TIME_DTYPES or any(t.dtype != tdt for t in times):
+        raise TypeError(f"node_time, edge_time and seed_time must all be int64 or all float64, got "
+                        f"{[str(t.dtype) for t in times]}")
+    tsuf, tct = TIME_DTYPES[tdt]
+    node_time, edge_time, seed_time = (None if t is None else check_tensor(t, name, dim=1).contiguous()
+                                       for t, name in ((node_time, "node_time"), (edge_time, "edge_time"),
+                                                       (seed_time, "seed_time")))
+    ffi = native.ffi()
+    n_nodes = rowptr.numel() - 1
+    n_hops = len(fanouts)
+    fan = torch.tensor(list(fanouts) or [0], dtype=torch.int64)
+    outs = [ffi.new("int64_t **") for _ in range(5)]
+    counts = ffi.new("int64_t[2]")
+    nph = ffi.new("int64_t[]", n_hops + 1)
+    eph = ffi.new("int64_t[]", max(1, n_hops))
+    bad = ffi.new("int64_t *", -1)
+    st = _fn(f"neighbor_sample_{tsuf}")(
+        _p(rowptr, "int64_t *"), n_nodes, _p(col, "int64_t *"), col.numel(), _p(seeds, "int64_t *"), seeds.numel(),
+        _p(fan, "int64_t *"), n_hops, int(bool(replace)), int(bool(directed)), int(bool(disjoint)),
+        _p(node_time, tct), _p(edge_time, tct), _p(seed_time, tct), SAMPLE_STRATEGIES[strategy],
+        int(rng_seed) & 0xFFFFFFFFFFFFFFFF, *outs, counts, nph, eph, _nthreads(), bad)
+    if st:
+        b = bad[0]
+        if st == -1 and b <= -2:
+            e = -2 - b
+            raise IndexError(f"neighbor_sample: col[{e}] = {int(col[e])} is out of range [0, {n_nodes})")
+        if st == -1:
+            raise ValueError(f"neighbor_sample: seeds[{b}] = {int(seeds[b])} is out of range [0, {n_nodes})")
+        if st == -3:
+            lo = int(rowptr[b]) if 0 <= b <= n_nodes else "?"
+            hi = int(rowptr[b + 1]) if 0 <= b < n_nodes else "?"
+            raise ValueError(f"neighbor_sample: rowptr is not a CSR row pointer over {col.numel()} nonzeros: row {b} "
+                             f"spans rowptr[{b}] = {lo} .. rowptr[{b + 1}] = {hi} (rowptr must start at 0, never "
+                             f"decrease and end at col.numel())")
+        if st == -4:
+            raise ValueError(f"neighbor_sample: seeds[{b}] = {int(seeds[b])} occurs twice; seeds must be unique "
+                             "unless disjoint=True (one subgraph per seed)")
+        if st == -5:
+            raise MemoryError("neighbor_sample: out of memory for the sampled subgraph")
+        native.check(st, "neighbor_sample", f"bad_pos={b}")
+    n_out, e_out = counts[0], counts[1]
+    node, batch, row, colo, edge = (_take_owned(o[0], n) for o, n in zip(outs, (n_out, n_out, e_out, e_out, e_out)))
+    return (node, batch if disjoint else None, row, colo, edge, [nph[h] for h in range(n_hops + 1)],
+            [eph[h] for h in range(n_hops)])

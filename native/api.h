@@ -10,6 +10,8 @@
 #define CO_ERR_INDEX_OUT_OF_RANGE -1
 #define CO_ERR_BAD_ARGUMENT -2
 #define CO_ERR_UNSORTED -3
+#define CO_ERR_DUPLICATE -4
+#define CO_ERR_NO_MEMORY -5
 #endif
 
 /* proof-of-mechanism kernel: out[i, :] = src[index[i], :]; on a bad index writes nothing and
@@ -82,3 +84,23 @@ int64_t KFN(csr_transpose_i64)(const int64_t *rowptr, int64_t n_rows, const int6
 int64_t KFN(gather_rows_bytes_i32)(const void *src, int64_t n_src, int64_t row_bytes, const int32_t *index, int64_t n_index, void *out, int nthreads, int64_t *bad_pos);
 int64_t KFN(index_to_csr_i32)(const int32_t *index, int64_t n, int64_t dim_size, int64_t *rowptr, int64_t *perm, int nthreads, int64_t *bad_pos);
 int64_t KFN(csr_transpose_i32)(const int64_t *rowptr, int64_t n_rows, const int32_t *col, int64_t n_cols, int64_t *colptr, int64_t *row_t, int64_t *perm, int nthreads, int64_t *bad_pos);
+
+/* ---- neighbour sampling (native/kernels/sample.c, sample_tmpl.h) ----
+ * Uniform k-hop sampling over a CSR graph (rowptr over n_nodes rows, col in [0, n_nodes)): for each
+ * hop h, every node found at hop h - 1 draws fanouts[h] of its neighbours (-1: all), with or
+ * without replacement. Draws come from a counter-based generator keyed by (rng_seed, hop, node,
+ * subgraph), so the result does not depend on nthreads. Relabelled output, malloc'ed here and
+ * handed to the caller (free each with co_free): node (global id of each sampled node, seeds
+ * first, then in hop order), batch (its subgraph when disjoint, else NULL), and per edge row (the
+ * expanding node), col (the sampled neighbour), both local ids, and edge (its position in col).
+ * out_counts = {nodes, edges}; nodes_per_hop has n_hops + 1 entries, edges_per_hop n_hops.
+ * directed = 0: the edges are instead every edge of the graph between sampled nodes (of one
+ * subgraph), grouped by row. Temporal (node_time over nodes, edge_time over nonzeros; requires
+ * disjoint): only neighbours with time <= the seed's time (seed_time, else node_time[seed]);
+ * strategy 0 uniform among those, 1 the last fanouts[h] of them in CSR order.
+ * Errors before any output: CO_ERR_INDEX_OUT_OF_RANGE (a seed: bad_pos = its position; a col
+ * entry: bad_pos = -2 - its position), CO_ERR_UNSORTED (a row r with rowptr[r] > rowptr[r + 1] or
+ * outside [0, nnz]: bad_pos = r), CO_ERR_DUPLICATE (a seed twice without disjoint: bad_pos = the
+ * second position), CO_ERR_NO_MEMORY, CO_ERR_BAD_ARGUMENT (bad_pos = the hop of a bad fan-out). */
+int64_t KFN(neighbor_sample_i64)(const int64_t *rowptr, int64_t n_nodes, const int64_t *col, int64_t nnz, const int64_t *seeds, int64_t n_seeds, const int64_t *fanouts, int64_t n_hops, int replace, int directed, int disjoint, const int64_t *node_time, const int64_t *edge_time, const int64_t *seed_time, int strategy, uint64_t rng_seed, int64_t **out_node, int64_t **out_batch, int64_t **out_row, int64_t **out_col, int64_t **out_edge, int64_t *out_counts, int64_t *nodes_per_hop, int64_t *edges_per_hop, int nthreads, int64_t *bad_pos);
+int64_t KFN(neighbor_sample_f64)(const int64_t *rowptr, int64_t n_nodes, const int64_t *col, int64_t nnz, const int64_t *seeds, int64_t n_seeds, const int64_t *fanouts, int64_t n_hops, int replace, int directed, int disjoint, const double *node_time, const double *edge_time, const double *seed_time, int strategy, uint64_t rng_seed, int64_t **out_node, int64_t **out_batch, int64_t **out_row, int64_t **out_col, int64_t **out_edge, int64_t *out_counts, int64_t *nodes_per_hop, int64_t *edges_per_hop, int nthreads, int64_t *bad_pos);

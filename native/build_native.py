@@ -43,7 +43,8 @@ def make_builder(sanitize: bool = False) -> FFI:
     api = (HERE / "api.h").read_text()
     cdef = "\n".join(expand_api(api, v) for v in variants_for_machine())
     cdef += ("\nconst char *co_native_variants(void);\nint co_advise_hugepages(void *p, int64_t nbytes);\n"
-             "int64_t co_fingerprint(const void *data, int64_t nbytes, int64_t nthreads, uint64_t *out);\n")
+             "int64_t co_fingerprint(const void *data, int64_t nbytes, int64_t nthreads, uint64_t *out);\n"
+             "void co_free(void *p);\n")
     ffibuilder = FFI()
     ffibuilder.cdef(cdef)
     ffibuilder.set_source(

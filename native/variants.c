@@ -156,3 +156,9 @@ const char *co_native_variants(void)
     return "base";
 #endif
 }
+
+/* Frees a buffer a kernel malloc'ed and handed to the caller (neighbor_sample's outputs). */
+void co_free(void *p)
+{
+    free(p);
+}
