@@ -32,9 +32,11 @@ class _KeptState:
     forward (a step counter, a cache) has it updated by the user's calls only."""
 
     def __init__(self, model: torch.nn.Module):
-        # cpu_opt's own constants (folded, packed: "_cpu_opt_*") are never written; plain layouts only
+        # cpu_opt's own constants (folded, packed: "_cpu_opt_*") are never written; plain layouts only;
+        # a broadcast (zero-stride) buffer cannot be written either (cpu_opt.quant's weight stand-ins)
         self._saved = [(b, b.detach().clone()) for name, b in model.named_buffers()
-                       if b.layout == torch.strided and not name.rsplit(".", 1)[-1].startswith("_cpu_opt_")]
+                       if b.layout == torch.strided and not name.rsplit(".", 1)[-1].startswith("_cpu_opt_")
+                       and not (b.numel() > 1 and 0 in b.stride())]
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -470,9 +472,11 @@ class OptimizedModule(torch.nn.Module):
         with self._lock:
             d = getattr(self, "_generation", None)
             if d is None:
-                d = self._generation = StructureDispatch(self._model[0], {
-                    "dtype": self.dtype, "validate": self._options.get("validate", True),
-                    "max_shapes": self._options.get("max_shapes", MAX_SHAPES)})
+                opts = {"dtype": self.dtype, "validate": self._options.get("validate", True),
+                        "max_shapes": self._options.get("max_shapes", MAX_SHAPES)}
+                if self.dtype == "int8":  # every call structure reuses this model's calibration
+                    opts["_int8_state"] = self._options["int8"][1]
+                d = self._generation = StructureDispatch(self._model[0], opts)
         return generate(self._model[0], *args, dispatch=d, **kwargs)
 
     # ------------------------------------------------------------------ reporting

@@ -121,8 +121,11 @@ def find_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, mapping: QConf
         last = add if add is not None else n
         users = list(last.users)
         act = users[0] if len(users) == 1 and _act(users[0]) else None
-        i = seen[name] = seen.get(name, -1) + 1
-        layers.append(Layer(node=n, kind=kind, name=name, key=f"{name}#{i}", qconfig=qc, x=x, w=w,
+        # keyed by the module object (a wrapper around the model, as generate() uses, renames the layers
+        # but keeps the modules) and by the how-manieth call of it this is
+        ident = id(module) if module is not None else name
+        i = seen[ident] = seen.get(ident, -1) + 1
+        layers.append(Layer(node=n, kind=kind, name=name, key=(ident, i), qconfig=qc, x=x, w=w,
                             b=passes._get_param(gm, b_node), conv=conv, act=act, add=add, other=other,
                             value=act if act is not None else last, module=module))
     return layers, skipped
@@ -198,7 +201,7 @@ def _calibrate(gm, layers, calibration) -> dict:
     out = {}
     for key, (o_in, o_out, o_other, o_raw) in obs.items():
         if not o_in.observed:
-            raise RuntimeError(f"int8: layer {key.split('#')[0]!r} saw no input during calibration")
+            raise RuntimeError(f"int8: a layer (call {key[1]} of {key[0]!r}) saw no input during calibration")
         out[key] = {"in": o_in, "out": o_out, "other": o_other, "raw": o_raw}
     return out
 
@@ -236,7 +239,7 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
             raise RuntimeError("int8: no calibration data")
         state.qparams = _calibrate(gm, layers, state.calibration)
         state.calibration = None
-    missing = [L.key for L in layers if L.key not in state.qparams]
+    missing = [L.name for L in layers if L.key not in state.qparams]
     if missing:
         raise RuntimeError(f"int8: layers {missing} are new in this graph (not calibrated)")
     # input qparams per layer (SmoothQuant layers quantize x / s: computed from the channel ranges)
@@ -337,7 +340,8 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
     passes._drop_unused_attrs(gm)
     gm.graph.lint()
     gm.recompile()
-    state.layers_report = report
+    if not state.layers_report:   # the first (the example's) graph; re-plans for new shapes repeat it
+        state.layers_report = report
     fams: dict = {}
     for r in report:
         fams[r["family"]] = fams.get(r["family"], 0) + 1
