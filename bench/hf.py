@@ -1,0 +1,285 @@
+"""python -m bench hf: full-size Hugging Face models (random weights, no downloads) at batch 1 under
+eager PyTorch, torch.compile (inductor, the global freezing flag), cpu_opt.optimize and OpenVINO,
+fp32 (OpenVINO with INFERENCE_PRECISION_HINT=f32).
+
+Every implementation of every model runs in a process of its own (OpenVINO's spinning worker
+threads slowed torch runs next to them up to 5x, shared/KNOWN.md), and the processes alternate
+over ``--rounds`` rounds: eager, compile, cpu_opt, OpenVINO, eager, ... Each process builds its
+implementation (the time is recorded: torch.compile's first compile, optimize() + first call,
+OpenVINO's convert + compile), checks its output against eager (cosine), and times ``--repeats``
+calls; a model's figure per implementation is the median over the rounds of the per-process
+medians. Models: BERT-base (seq 128, padding in the mask), GPT-2 (seq 128, no cache),
+ViT-B/16 (224²), ResNet-50 (224²), ConvNeXt-T (224²).
+
+int8 (``--impls`` with ``cpu_opt_int8,torchao_int8,dynamic_int8,openvino_int8``; ``python -m bench
+hf --int8`` picks them with eager and cpu_opt fp32): each is calibrated on the same 8 seeded inputs
+(shaped like the example): ``cpu_opt.optimize(dtype="int8", calibration_data=...)``; torchao's
+pt2e flow (``X86InductorQuantizer``, static per-tensor activations, per-channel weights) lowered
+by ``torch.compile`` with freezing; torch's ``quantize_dynamic`` (Linear layers; FBGEMM); OpenVINO
+with NNCF's ``nncf.quantize`` (when nncf is installed). int8 cosines are against eager fp32.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MODELS = ("bert", "gpt2", "vit", "resnet50", "convnext")
+IMPLS = ("eager", "compile", "cpu_opt", "openvino")
+INT8_IMPLS = ("eager", "cpu_opt", "cpu_opt_int8", "torchao_int8", "dynamic_int8", "openvino_int8")
+
+
+def calibration_inputs(name: str, inputs: dict, n: int = 8) -> list[dict]:
+    """``n`` seeded inputs shaped like the example (token ids drawn again, the mask kept)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(n):
+        item = {}
+        for k, v in inputs.items():
+            if k == "input_ids":
+                item[k] = torch.randint(0, int(v.max()) + 1, v.shape, generator=g)
+            elif v.is_floating_point():
+                item[k] = torch.randn(v.shape, generator=g)
+            else:
+                item[k] = v.clone()
+        out.append(item)
+    return out
+
+
+def _torchao_int8(model, inputs, calib):
+    """torchao's pt2e static int8 (X86InductorQuantizer), lowered by inductor with freezing (the
+    global flag: shared/KNOWN.md, "torch.compile's freezing switch")."""
+    import torch
+    import torch._inductor.config as inductor_config
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    quantizer = xiq.X86InductorQuantizer()
+    quantizer.set_global(xiq.get_default_x86_inductor_quantization_config())
+    gm = torch.export.export(model, (), inputs, strict=False).module()
+    prepared = prepare_pt2e(gm, quantizer)
+    with torch.no_grad():
+        for item in calib:
+            prepared(**item)
+    converted = convert_pt2e(prepared)
+    inductor_config.freezing = True
+    c = torch.compile(converted)
+    return lambda: c(**inputs)
+
+
+def _openvino_int8(model, inputs, calib):
+    import nncf
+    import openvino as ov
+    import torch
+
+    names = list(inputs)
+
+    class _Positional(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, *args):
+            out = self.m(**dict(zip(names, args)))
+            return _main_tensor(out)
+
+    args = tuple(inputs[k] for k in names)
+    with torch.no_grad():
+        ovm = ov.convert_model(_Positional(model).eval(), example_input=args)
+    ds = nncf.Dataset([tuple(item[k].numpy() for k in names) for item in calib])
+    qm = nncf.quantize(ovm, ds, subset_size=len(calib),
+                       model_type=nncf.ModelType.TRANSFORMER if "input_ids" in inputs else None)
+    compiled = ov.Core().compile_model(qm, "CPU", {"PERFORMANCE_HINT": "LATENCY",
+                                                    "INFERENCE_NUM_THREADS": torch.get_num_threads()})
+    feed = [inputs[k].numpy() for k in names]
+
+    def run():
+        return torch.from_numpy(compiled(feed)[0])
+    return run
+
+
+def build_model(name: str, quick: bool = False):
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    if name == "bert":
+        cfg = T.BertConfig() if not quick else T.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                              intermediate_size=128, vocab_size=1000)
+        m = T.BertModel(cfg)
+        mask = torch.ones(1, 128, dtype=torch.long)
+        mask[0, 100:] = 0  # a padded sequence: the mask matters
+        inputs = {"input_ids": torch.randint(0, cfg.vocab_size, (1, 128)), "attention_mask": mask}
+    elif name == "gpt2":
+        cfg = T.GPT2Config(use_cache=False) if not quick else T.GPT2Config(n_layer=2, n_embd=64, n_head=4,
+                                                                           vocab_size=1000, use_cache=False)
+        m = T.GPT2LMHeadModel(cfg)
+        inputs = {"input_ids": torch.randint(0, cfg.vocab_size, (1, 128))}
+    elif name == "vit":
+        cfg = T.ViTConfig() if not quick else T.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                            intermediate_size=128)
+        m = T.ViTModel(cfg, add_pooling_layer=False)
+        inputs = {"pixel_values": torch.randn(1, 3, 224, 224)}
+    elif name == "resnet50":
+        cfg = T.ResNetConfig() if not quick else T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32],
+                                                                depths=[1, 1], layer_type="basic")
+        m = T.ResNetModel(cfg)
+        inputs = {"pixel_values": torch.randn(1, 3, 224, 224)}
+    elif name == "convnext":
+        cfg = T.ConvNextConfig() if not quick else T.ConvNextConfig(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1])
+        m = T.ConvNextModel(cfg)
+        inputs = {"pixel_values": torch.randn(1, 3, 224, 224)}
+    else:
+        raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+    return m.eval(), inputs
+
+
+def _main_tensor(out):
+    import torch
+
+    if torch.is_tensor(out):
+        return out
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, (tuple, list)):
+        return _main_tensor(out[0])
+    raise TypeError(type(out).__name__)
+
+
+def worker(impl: str, name: str, repeats: int, quick: bool) -> dict:
+    """One implementation of one model, in this process: build, check, time."""
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    from bench.optimize import openvino_compile
+    from cpu_opt.platform.timing import measure
+
+    model, inputs = build_model(name, quick)
+    with torch.no_grad():
+        ref = _main_tensor(model(**inputs))
+    t0 = time.perf_counter()
+    if impl == "eager":
+        fn = lambda: model(**inputs)  # noqa: E731
+    elif impl == "compile":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = True
+        c = torch.compile(model, dynamic=False)
+        fn = lambda: c(**inputs)  # noqa: E731
+    elif impl == "cpu_opt":
+        import cpu_opt
+
+        o = cpu_opt.optimize(model, inputs, dtype="fp32")
+        fn = lambda: o(**inputs)  # noqa: E731
+    elif impl == "openvino":
+        ov = openvino_compile(model, inputs, "fp32")
+        fn = lambda: ov(**inputs)  # noqa: E731
+    elif impl == "cpu_opt_int8":
+        import cpu_opt
+
+        o = cpu_opt.optimize(model, inputs, dtype="int8", calibration_data=calibration_inputs(name, inputs))
+        fn = lambda: o(**inputs)  # noqa: E731
+    elif impl == "torchao_int8":
+        fn = _torchao_int8(model, inputs, calibration_inputs(name, inputs))
+    elif impl == "dynamic_int8":
+        qm = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        fn = lambda: qm(**inputs)  # noqa: E731
+    elif impl == "openvino_int8":
+        fn = _openvino_int8(model, inputs, calibration_inputs(name, inputs))
+    else:
+        raise ValueError(impl)
+    with torch.no_grad():
+        out = fn()
+        build_s = time.perf_counter() - t0
+        out = out if torch.is_tensor(out) else _main_tensor(out)
+        cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
+        st = measure({impl: fn}, warmup=2, repeats=repeats)[impl]
+    res = {"impl": impl, "model": name, "median_ms": st.median * 1e3, "spread": st.spread, "build_s": build_s,
+           "cosine_vs_eager": cos, "threads": torch.get_num_threads()}
+    if impl in ("cpu_opt", "cpu_opt_int8"):
+        rep = o.report()
+        if impl == "cpu_opt_int8":
+            res.update(int8_layers=len(rep.get("int8", [])),
+                       int8_families=sorted({li["family"] for li in rep.get("int8", [])}))
+        res.update(partitions=rep["num_partitions"], fallbacks=len(rep["fallbacks"]),
+                   validation_ok=(rep["validation"] or {}).get("ok"))
+    return res
+
+
+def main(quick: bool = False, argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench hf")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--impls", default=None, help=f"default {','.join(IMPLS)}; with --int8 {','.join(INT8_IMPLS)}")
+    ap.add_argument("--int8", action="store_true", help="the int8 comparison (results in hf_int8.json)")
+    ap.add_argument("--rounds", type=int, default=2 if quick else 3)
+    ap.add_argument("--repeats", type=int, default=5 if quick else 10)
+    ap.add_argument("--worker", nargs=2, metavar=("IMPL", "MODEL"), help=argparse.SUPPRESS)
+    args, _ = ap.parse_known_args(argv or [])
+    quick = quick or "--quick" in (argv or [])
+    impls = (args.impls or ",".join(INT8_IMPLS if args.int8 else IMPLS)).split(",")
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker[0], args.worker[1], args.repeats, quick)), flush=True)
+        return
+    from bench.runner import RESULTS_DIR, Report, bar_chart
+
+    rep = Report(("hf_int8" if args.int8 else "hf") + ("_quick" if quick else ""), rounds=args.rounds, repeats=args.repeats,
+                 protocol="each implementation in its own process, alternating rounds; median of process medians")
+    results: dict = {}
+    for name in [m for m in args.models.split(",") if m]:
+        for rnd in range(args.rounds):
+            for impl in [i for i in impls if i]:
+                cmd = [sys.executable, "-m", "bench", "hf", "--worker", impl, name, "--repeats", str(args.repeats)]
+                if quick:
+                    cmd.append("--quick")
+                r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=3600)
+                line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+                if line is None:
+                    err = (r.stderr.strip().splitlines() or ["no output"])[-1][:200]
+                    print(f"{name} {impl} round {rnd}: FAILED {err}", flush=True)
+                    results.setdefault((name, impl), []).append({"error": err})
+                    continue
+                res = json.loads(line[len("RESULT "):])
+                print(f"{name} {impl} round {rnd}: {res['median_ms']:.1f} ms (build {res['build_s']:.1f} s, "
+                      f"cos {res['cosine_vs_eager']:.6f})", flush=True)
+                results.setdefault((name, impl), []).append(res)
+    for (name, impl), runs in results.items():
+        ok = [r for r in runs if "error" not in r]
+        row = {"model": name, "impl": impl}
+        if not ok:
+            row["error"] = runs[0]["error"]
+        else:
+            row.update(median_ms=statistics.median(r["median_ms"] for r in ok),
+                       round_ms=[round(r["median_ms"], 1) for r in ok], build_s=statistics.median(r["build_s"] for r in ok),
+                       cosine_vs_eager=min(r["cosine_vs_eager"] for r in ok))
+            for k in ("partitions", "fallbacks", "validation_ok", "int8_layers", "int8_families"):
+                if k in ok[0]:
+                    row[k] = ok[0][k]
+        rep.add(**row)
+    by = {(r["model"], r["impl"]): r.get("median_ms") for r in rep.rows}
+    for r in rep.rows:
+        if r.get("median_ms"):
+            for base in ("eager", "compile", "openvino"):
+                if by.get((r["model"], base)):
+                    r[f"vs_{base}"] = by[(r["model"], base)] / r["median_ms"]
+    rep.print_table(["model", "impl", "median_ms", "round_ms", "vs_eager", "vs_compile", "vs_openvino", "build_s",
+                     "cosine_vs_eager", "partitions", "fallbacks", "int8_families", "error"])
+    models = list(dict.fromkeys(r["model"] for r in rep.rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rep.rows))
+    bar_chart(RESULTS_DIR / f"{rep.name}.png", models,
+              {i: [(by.get((m, "eager")) or 0) / (by.get((m, i)) or float("inf")) for m in models] for i in impls},
+              ylabel="speedup over eager fp32 (x)",
+              title=f"Hugging Face models, batch 1, {'int8' if args.int8 else 'fp32'}, "
+                    f"{rep.meta.get('threads', '?')} threads (own processes)")
+    rep.save()
+
+
+if __name__ == "__main__":
+    main()
