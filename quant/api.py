@@ -84,7 +84,10 @@ def prepare(model: nn.Module, qconfig_mapping: QConfigMapping | None = None, exa
         if qc.activation is None:
             raise QuantizationError(f"{qc_name}: a qconfig without activation observer is weight-only; use "
                                     "quantize_weight_only(model) for that")
-        _set_submodule(m, qc_name, ObservedLayer(layer, qc))
+        obs = ObservedLayer(layer, qc)
+        if obs.input_observer is not None:
+            K.warn_if_saturating(obs.input_observer, f"prepare: {qc_name}")
+        _set_submodule(m, qc_name, obs)
     m._cpu_opt_quant = {"stage": "prepared", "skipped": skipped, "mapping": mapping}
     if not chosen:
         warnings.warn("prepare: the qconfig mapping selects no Linear/Conv2d layer of this model; nothing will be "

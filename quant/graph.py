@@ -177,8 +177,9 @@ def _calibrate(gm, layers, calibration) -> dict:
         else:
             o_in = act()
         o_out = act()
+        K.warn_if_saturating(o_out, f"int8: {L.name}")
         o_other = act() if L.other is not None else None
-        o_raw = act() if L.other is not None else None
+        o_raw = act() if L.value is not L.node else None   # the layer's output before a fused act / add
         obs[L.key] = (o_in, o_out, o_other, o_raw)
         for role, o, node in (("in", o_in, L.x), ("out", o_out, L.value), ("other", o_other, L.other),
                               ("raw", o_raw, L.node)):
@@ -297,7 +298,7 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
                     kw["x_shape"] = tuple(vx.shape)
                 k = K.CONV_KERNELS[fam](wq, ws, L.b, x_qp[L.key], **L.conv, **kw)
             k.own_out_qparams = _qp(state.qparams[L.key]["out"])
-            if L.other is not None:
+            if state.qparams[L.key]["raw"] is not None:
                 k.raw_qparams = _qp(state.qparams[L.key]["raw"])
             return k
 

@@ -66,6 +66,26 @@ def _engine(name: str):
             torch.backends.quantized.engine = old
 
 
+def warn_if_saturating(observer, where: str) -> None:
+    """An activation range wider than the kernels take exactly here (8-bit activations without VNNI)
+    is clamped at :func:`activation_qmax`: say so instead of clipping silently."""
+    import warnings
+
+    qmax = getattr(observer, "quant_max", None)
+    if qmax is not None and observer.dtype == torch.quint8 and qmax > activation_qmax():
+        warnings.warn(f"{where}: 8-bit activations (quant_max {qmax}) on a CPU without VNNI: the int8 kernels "
+                      f"saturate above {activation_qmax()}, so activations are clamped there and the top half of "
+                      "the range is lost; use reduce_range=True (the default on this CPU)", RuntimeWarning,
+                      stacklevel=3)
+
+
+def chain_u8(u: torch.Tensor) -> torch.Tensor:
+    """A uint8 output for the next int8 layer, clamped (in place: the kernel's own fresh output) to
+    what the consumer's kernel takes exactly."""
+    qmax = activation_qmax()
+    return u.clamp_(max=qmax) if qmax < 255 else u
+
+
 def as_u8(q: torch.Tensor) -> torch.Tensor:
     """The bytes of a per-tensor ``quint8`` tensor as a plain ``uint8`` tensor, without a copy.
 
@@ -80,13 +100,34 @@ def from_u8(u: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
     return torch._make_per_tensor_quantized_tensor(u, scale, zero_point)
 
 
-def quantize_input(x: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
+_SATURATES = None
+
+
+def activation_qmax() -> int:
+    """The largest uint8 activation the int8 kernels take exactly on this CPU: 255 with VNNI; 127
+    without, where every x86 u8 x s8 kernel (FBGEMM's and oneDNN's AVX2 paths: vpmaddubsw) adds pairs
+    of products in int16 and saturates above it (fuzzing found FBGEMM 0.13 off at K=2 with 8-bit
+    activations here). The kernels clamp to it; calibration's 7-bit range (reduce_range) makes the
+    clamp a no-op for values inside the calibrated range."""
+    global _SATURATES
+    if _SATURATES is None:
+        from cpu_opt.platform import hw
+
+        _SATURATES = not hw.has_vnni(hw.detect())
+    return 127 if _SATURATES else 255
+
+
+def quantize_input(x: torch.Tensor, scale: float, zero_point: int, clamp: bool = True) -> torch.Tensor:
     """float32 -> per-tensor quint8 (``quantize_per_tensor``: 13 us at 128x768, 7x faster than the
-    decomposed op); chained uint8 bytes are wrapped as they are."""
+    decomposed op), clamped to :func:`activation_qmax`; chained uint8 bytes are wrapped as they are
+    (their producer clamped them)."""
     if x.dtype == torch.uint8:
         return from_u8(x, scale, zero_point)
     if not x.is_floating_point():
         raise TypeError(f"an int8 layer takes float or uint8 (chained) input, got {x.dtype}")
+    qmax = activation_qmax()
+    if clamp and qmax < 255:
+        x = x.clamp(max=(qmax - zero_point) * scale)
     return torch.quantize_per_tensor(x.float(), scale, zero_point, torch.quint8)  # keeps channels-last
 
 
@@ -141,7 +182,7 @@ class _Kernel:
         # a residual that arrives as uint8 from an int8 layer: its (scale, zero point); for FBGEMM also
         # the scale an fp32 residual is quantized with
         self.other_qparams = None
-        self.raw_qparams = None      # the range of the layer's output before a fused residual add
+        self.raw_qparams = None      # the range of the layer's output before a fused post-op / residual add
         self.fused_post_op = False     # set by a family that runs the post-op inside the kernel
 
     def _finish(self, y: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -149,7 +190,7 @@ class _Kernel:
         if not fused and self.post_op is not None:
             y = _TORCH_POST[self.post_op](y)
         if self.out_qparams is not None:
-            return as_u8(torch.quantize_per_tensor(y.contiguous(), *self.out_qparams, torch.quint8))
+            return chain_u8(as_u8(torch.quantize_per_tensor(y, *self.out_qparams, torch.quint8)))
         return y
 
     def out_shape(self, x_shape) -> tuple:
@@ -204,10 +245,12 @@ class FbgemmLinear(LinearKernel):
             # int8 in, int8 out: requantization fused into FBGEMM's output stage
             qx = quantize_input(x.reshape(-1, x.shape[-1]), self.x_scale, self.x_zp)
             y = (torch.ops.quantized.linear_relu if relu else torch.ops.quantized.linear)(qx, self.packed, *out_q)
-            y = as_u8(y) if self.out_qparams is not None else y.dequantize()
+            y = chain_u8(as_u8(y)) if self.out_qparams is not None else y.dequantize()
             return y.reshape(*lead, y.shape[-1])
         if x.dtype == torch.uint8:
             x = from_u8(x, self.x_scale, self.x_zp).dequantize()   # FBGEMM's fp32-in op quantizes inside
+        elif activation_qmax() < 255:   # ... to the full 0..255, which saturates here: clamp first
+            x = x.clamp(max=(activation_qmax() - self.x_zp) * self.x_scale)
         y = self._fp32_op(x.reshape(-1, x.shape[-1]).float(), self.x_scale, self.x_zp, self.packed)
         y = y.reshape(*lead, y.shape[-1])
         return self._finish(y, self.fused_post_op)
@@ -231,7 +274,7 @@ class TorchOnednnLinear(LinearKernel):
             ys, yz = self.out_qparams
             y = torch.ops.onednn.qlinear_pointwise(u2, self.x_scale, self.x_zp, self.packed, self.w_scales,
                                                    self.w_zps, self.bias, ys, yz, torch.uint8, *self.post)
-            return y.reshape(*lead, y.shape[-1])
+            return chain_u8(y).reshape(*lead, y.shape[-1])
         y = torch.ops.onednn.qlinear_pointwise(u2, self.x_scale, self.x_zp, self.packed, self.w_scales, self.w_zps,
                                                self.bias, 1.0, 0, torch.float32, *self.post)
         return y.reshape(*lead, y.shape[-1])
@@ -297,17 +340,19 @@ class FbgemmConv2d(Conv2dKernel):
         if other is None and self.post_op in (None, "relu"):
             op = torch.ops.quantized.conv2d_relu.new if relu else torch.ops.quantized.conv2d.new
             y = op(qx, self.packed, *out_q)
-            return as_u8(y) if self.out_qparams is not None else y.dequantize()
+            return chain_u8(as_u8(y)) if self.out_qparams is not None else y.dequantize()
         if other is not None and self.post_op in (None, "relu") and self.other_qparams is not None \
                 and self.raw_qparams is not None:
             # FBGEMM has no fused conv + add (quantized::conv2d_add is oneDNN-engine only): the
             # convolution writes int8, the residual add (+ ReLU) runs on int8 (quantized::add_relu,
             # 0.13 ms at 64x56x56 vs 0.36 for the fp32 add + relu)
             y = torch.ops.quantized.conv2d.new(qx, self.packed, *self.raw_qparams)
-            qo = quantize_input(other, *self.other_qparams)
+            qo = quantize_input(other, *self.other_qparams, clamp=False)   # an add's operand: no saturation
             y = (torch.ops.quantized.add_relu if relu else torch.ops.quantized.add)(y, qo, *out_q)
-            return as_u8(y) if self.out_qparams is not None else y.dequantize()
-        y = torch.ops.quantized.conv2d.new(qx, self.packed, *(self.own_out_qparams or out_q)).dequantize()
+            return chain_u8(as_u8(y)) if self.out_qparams is not None else y.dequantize()
+        # the post-op or the add runs after: the convolution's own (raw) output range, not the final one
+        y = torch.ops.quantized.conv2d.new(qx, self.packed, *(self.raw_qparams or self.own_out_qparams
+                                                              or out_q)).dequantize()
         if other is not None:
             y = y + self._float_other(other)
         return self._finish(y, fused=False)
@@ -335,7 +380,7 @@ class TorchOnednnConv2d(Conv2dKernel):
             y = torch.ops.onednn.qconv2d_pointwise(u, self.x_scale, self.x_zp, self.packed, self.w_scales, self.w_zps,
                                                    self.bias, self.stride, self.padding, self.dilation, self.groups,
                                                    ys, yz, torch.uint8, *post)
-            return y
+            return chain_u8(y)
         y = torch.ops.onednn.qconv2d_pointwise(u, self.x_scale, self.x_zp, self.packed, self.w_scales, self.w_zps,
                                                self.bias, self.stride, self.padding, self.dilation, self.groups,
                                                1.0, 0, torch.float32, *post)
