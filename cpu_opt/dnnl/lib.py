@@ -132,7 +132,24 @@ def engine():
     eng = f.new("dnnl_engine_t *")
     check(l.dnnl_engine_create(eng, l.dnnl_cpu, 0), "dnnl_engine_create",
           "no CPU engine (a SYCL/GPU-only oneDNN build?)")
+    # oneDNN Graph's constant tensor cache: partitions keep the reordered (packed) form of their
+    # constant inputs (weights) across executions. On by default in 3.2; set explicitly so a
+    # library default or ONEDNN_GRAPH_CONSTANT_CACHE change cannot silently turn weight packing
+    # into a per-call reorder. Weights changed in place are caught by the optimized module's
+    # parameter-version check (it re-optimizes), not by this cache.
+    configure_graph()
     return eng[0]
+
+
+def configure_graph() -> None:
+    """The process-wide oneDNN Graph settings cpu_opt relies on (see :func:`engine`)."""
+    check(lib().dnnl_graph_set_constant_tensor_cache(1), "dnnl_graph_set_constant_tensor_cache")
+
+
+def constant_cache_enabled() -> bool:
+    flag = ffi().new("int *")
+    check(lib().dnnl_graph_get_constant_tensor_cache(flag), "dnnl_graph_get_constant_tensor_cache")
+    return bool(flag[0])
 
 
 _tls = threading.local()

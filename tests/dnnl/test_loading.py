@@ -97,3 +97,18 @@ def test_onednn_own_cap_variable_caps_the_routes_too():
     assert d["native_variant"] == "base"
     both = json.loads(_run(INFO_JSON, {"ONEDNN_MAX_CPU_ISA": "AVX2", "CPU_OPT_MAX_ISA": "sse41"}).stdout)
     assert both["isa_cap"] == "sse41"  # the lower of the two
+
+
+def test_constant_tensor_cache_is_on_once_the_engine_exists():
+    """Partitions keep their packed weights across calls (DESIGN: weights packed once)."""
+    from cpu_opt.dnnl import lib as L
+
+    L.engine()
+    assert L.constant_cache_enabled()
+    L.check(L.lib().dnnl_graph_set_constant_tensor_cache(0), "off")  # as a library default could be
+    try:
+        assert not L.constant_cache_enabled()
+        L.configure_graph()
+        assert L.constant_cache_enabled()
+    finally:
+        L.configure_graph()
