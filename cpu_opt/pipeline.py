@@ -791,14 +791,20 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
                     res = dict(res2, narrowed=bad, first_try=res)
                     options["exclude"] = exclude
         if not res["ok"]:
-            # never silently wrong: rebuild without oneDNN and say so
+            # never silently wrong: rebuild without oneDNN and say so; an int8 plan that is this far
+            # off (below INT8_MIN_COSINE) is not int8 noise: the model runs in fp32, in torch
             cap2 = capture(model, example_inputs, eager_output=ref)
             options["use_onednn"] = False
+            was_int8 = dt == "int8"
+            if was_int8:
+                dt, options["int8"] = "fp32", None
             plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False,
                                 int8=options.get("int8"))
             state.restore()
             opt = OptimizedModule(model, cap2, plan2, dt, leaves, options)
-            res["fell_back"] = "outputs differed from eager; the whole graph now runs in torch"
+            res["fell_back"] = ("int8 outputs too far from fp32 (cosine below {INT8_MIN_COSINE}): the model runs in "
+                                "fp32, in torch".format(INT8_MIN_COSINE=INT8_MIN_COSINE) if was_int8 else
+                                "outputs differed from eager; the whole graph now runs in torch")
         opt._validation = res
     if autotune and opt._base_plan.steps:
         opt = _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options)

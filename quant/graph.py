@@ -297,9 +297,10 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
                 if fam == "torch_onednn":
                     kw["x_shape"] = tuple(vx.shape)
                 k = K.CONV_KERNELS[fam](wq, ws, L.b, x_qp[L.key], **L.conv, **kw)
-            k.own_out_qparams = _qp(state.qparams[L.key]["out"])
+            # ranges FBGEMM requantizes outputs to (fed to no GEMM, so all 8 bits)
+            k.own_out_qparams = K.full_range(_qp(state.qparams[L.key]["out"]))
             if state.qparams[L.key]["raw"] is not None:
-                k.raw_qparams = _qp(state.qparams[L.key]["raw"])
+                k.raw_qparams = K.full_range(_qp(state.qparams[L.key]["raw"]))
             return k
 
         if state.autotune:
@@ -307,16 +308,16 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
         kernel = build(fam)
         kernel.__name__ = f"int8_{L.kind}_{next(_kernel_ids)}"
         x_in = new_nodes.get(L.x, L.x)
-        args = (x_in,)
-        if L.other is not None:
-            o_in = new_nodes.get(L.other, L.other)
-            kernel.other_qparams = chain_qp.get(o_in) or _qp(state.qparams[L.key]["other"])
-            args = (x_in, o_in)
         with gm.graph.inserting_before(L.value):
-            if L.key in smooth:
-                inv = passes._add_param(gm, (1.0 / smooth[L.key]).float(), L.node, "smooth_inv")
+            if L.key in smooth:   # x / s (SmoothQuant), then the kernel on the migrated weights
+                inv = passes._add_param(gm, (1.0 / smooth[L.key]).float(), L.value, "smooth_inv")
                 x_in = gm.graph.call_function(aten.mul.Tensor, (x_in, inv))
                 x_in.meta["val"] = vx
+            args = (x_in,)
+            if L.other is not None:
+                o_in = new_nodes.get(L.other, L.other)
+                kernel.other_qparams = chain_qp.get(o_in) or _qp(state.qparams[L.key]["other"])
+                args = (x_in, o_in)
             new = gm.graph.call_function(kernel, args)
         vv = passes._val(L.value)
         new.meta = {k: v for k, v in L.value.meta.items() if k != "val"}

@@ -79,6 +79,16 @@ def warn_if_saturating(observer, where: str) -> None:
                       stacklevel=3)
 
 
+def full_range(qparams):
+    """The same real range on all 8 bits: for values FBGEMM requantizes that feed no GEMM (an fp32
+    output, a residual add), where 7-bit calibration (made for kernel inputs) would round twice as
+    coarsely."""
+    if qparams is None or activation_qmax() == 255:
+        return qparams
+    s, z = qparams
+    return (s * 127.0 / 255.0, min(255, max(0, round(z * 255.0 / 127.0))))
+
+
 def chain_u8(u: torch.Tensor) -> torch.Tensor:
     """A uint8 output for the next int8 layer, clamped (in place: the kernel's own fresh output) to
     what the consumer's kernel takes exactly."""
@@ -238,6 +248,8 @@ class FbgemmLinear(LinearKernel):
                          torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32)
 
     def run(self, x, other=None):
+        if x.dtype != torch.uint8 and not x.is_floating_point():
+            raise TypeError(f"an int8 layer takes float or uint8 (chained) input, got {x.dtype}")
         relu = self.post_op == "relu"
         out_q = self.out_qparams or self.own_out_qparams
         lead = x.shape[:-1]

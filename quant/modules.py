@@ -259,12 +259,12 @@ def build_static(obs: ObservedLayer, name: str, family: str, why: str, post_op=N
         kw = {"rows": int(obs.rows)} if family == "torch_onednn" else {}
         kernel = K.LINEAR_KERNELS[family](wq, ws, layer.bias, x_qp, post_op=post_op, out_qparams=out_qparams, **kw)
         if obs.output_observer is not None:
-            kernel.own_out_qparams = _qparams(obs.output_observer)
+            kernel.own_out_qparams = K.full_range(_qparams(obs.output_observer))
         return QuantizedLinear(kernel, name, why, w.shape[1], w.shape[0], smooth_inv)
     wq, ws = _weight_qparams(qc, layer.weight)
     x_qp = _qparams(obs.input_observer)
     kw = dict(stride=layer.stride, padding=layer.padding, dilation=layer.dilation, groups=layer.groups)
     kernel = K.CONV_KERNELS[family](wq, ws, layer.bias, x_qp, post_op=post_op, out_qparams=out_qparams, **kw)
     if obs.output_observer is not None:
-        kernel.own_out_qparams = _qparams(obs.output_observer)
+        kernel.own_out_qparams = K.full_range(_qparams(obs.output_observer))
     return QuantizedConv2d(kernel, name, why, layer.in_channels, layer.out_channels, tuple(layer.weight.shape))

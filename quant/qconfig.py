@@ -102,7 +102,11 @@ _UNSET = object()
 
 
 def _is_hf_conv1d(m) -> bool:
-    return type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers") and hasattr(m, "nf")
+    """Hugging Face's Conv1D (GPT-2's linear layers: weight (in, out), ``nf`` outputs), or a copy of
+    it such as the zoo's ``cpu_opt.models.gpt2.Conv1D``."""
+    w = getattr(m, "weight", None)
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and isinstance(w, torch.Tensor) and w.dim() == 2 \
+        and w.shape[1] == m.nf
 
 
 class QConfigMapping:
