@@ -7,6 +7,7 @@ and their use inside PyTorch Geometric (:func:`optimize`).
     fast = gnn.optimize(pyg_model)                     # PyG's aggregation on cpu_opt kernels
     sub = gnn.neighbor_sample(rowptr, col, seeds, [15, 10, 5])   # k-hop sampling (gnn/sampling.py)
     gnn.install_sampler()                              # PyG's NeighborLoader without pyg-lib
+    from cpu_opt.gnn import distributed                # multi-process training with DDP (gnn/distributed.py)
 """
 from . import _autograd  # noqa: F401  (registers autograd on the ops)
 from ._kernels import use_variant
@@ -14,9 +15,9 @@ from .graph import CSRGraph, adj_t_from_edge_index, sort_cache
 from .ops import gather, index_select, scatter, scatter_reduce, spmm
 from .sampling import SampledSubgraph, install_sampler, neighbor_sample, sampler_installed, uninstall_sampler
 
-__all__ = ["CSRGraph", "SampledSubgraph", "adj_t_from_edge_index", "gather", "index_select", "install_sampler",
-           "neighbor_sample", "optimize", "patched", "sampler_installed", "scatter", "scatter_reduce", "sort_cache",
-           "spmm", "uninstall_sampler", "use_variant"]
+__all__ = ["CSRGraph", "DistributedNeighborLoader", "SampledSubgraph", "adj_t_from_edge_index", "gather",
+           "index_select", "install_sampler", "neighbor_sample", "optimize", "patched", "sampler_installed",
+           "scatter", "scatter_reduce", "sort_cache", "split_seeds", "spmm", "uninstall_sampler", "use_variant"]
 
 
 def __getattr__(name):  # the PyG integration imports torch_geometric: load it on first use
@@ -24,4 +25,8 @@ def __getattr__(name):  # the PyG integration imports torch_geometric: load it o
         from . import pyg
 
         return getattr(pyg, name)
+    if name in ("DistributedNeighborLoader", "split_seeds"):  # gnn/distributed.py imports torch_geometric too
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.distributed"), name)
     raise AttributeError(f"module 'cpu_opt.gnn' has no attribute {name!r}")
