@@ -138,9 +138,12 @@ def _residual(n: torch.fx.Node):
     if len(users) != 1:
         return None, None
     u = users[0]
-    if u.op != "call_function" or u.target != aten.add.Tensor or u.kwargs.get("alpha", 1) != 1 or len(u.args) != 2:
+    if u.op != "call_function" or u.target not in (aten.add.Tensor, aten.add_.Tensor) \
+            or u.kwargs.get("alpha", 1) != 1 or len(u.args) != 2:
         return None, None
     a0, a1 = u.args
+    if u.target == aten.add_.Tensor and a0 is not n:   # writes into the other operand: not ours to drop
+        return None, None
     other = a1 if a0 is n else a0 if a1 is n else None
     if not isinstance(other, torch.fx.Node) or other is n:
         return None, None

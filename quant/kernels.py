@@ -381,8 +381,34 @@ class TorchOnednnConv2d(Conv2dKernel):
         self.w_zps = torch.zeros(wq.shape[0], dtype=torch.int64)
         self.fused_post_op = self.post_op in _QCONV_POST
 
+    def _with_residual(self, u, other):
+        """conv + residual (+ ReLU) in one oneDNN primitive (``qconv2d_pointwise.binary``, "sum"):
+        oneDNN accumulates into, and writes its result over, the ``accum`` buffer, so accum is
+        always a fresh copy (uint8 for a uint8 result, fp32 for fp32): the caller's residual is
+        never written."""
+        unary = "relu" if self.post_op == "relu" else "none"
+        cl = torch.channels_last
+        if self.out_qparams is not None:
+            ys, yz = self.out_qparams
+            if other.dtype == torch.uint8:
+                accum, (a_s, a_z) = other.clone(memory_format=cl), self.other_qparams
+            else:
+                a_s, a_z = self.other_qparams
+                accum = as_u8(quantize_input(other, a_s, a_z, clamp=False)).clone(memory_format=cl)
+            dt = torch.uint8
+        else:
+            ys, yz, a_s, a_z, dt = 1.0, 0, 1.0, 0, torch.float32
+            accum = (self._float_other(other).float() if other.dtype == torch.uint8 else other.float()) \
+                .clone(memory_format=cl)
+        y = torch.ops.onednn.qconv2d_pointwise.binary(
+            u, self.x_scale, self.x_zp, self.packed, self.w_scales, self.w_zps, accum, self.bias, self.stride,
+            self.padding, self.dilation, self.groups, ys, yz, dt, a_s, a_z, "sum", 1.0, unary, [], "")
+        return chain_u8(y) if dt == torch.uint8 else y
+
     def run(self, x, other=None):
         u = input_u8(x, self.x_scale, self.x_zp).contiguous(memory_format=torch.channels_last)
+        if other is not None and self.post_op in (None, "relu") and self.other_qparams is not None:
+            return self._with_residual(u, other)
         post = _QCONV_POST.get(self.post_op, ("none", [], ""))
         fused = self.post_op in _QCONV_POST and other is None
         if not fused:

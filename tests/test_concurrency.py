@@ -118,3 +118,35 @@ def test_a_gnn_optimize_model_from_eight_threads_gives_the_serial_answers():
 
     for k, y in _hammer(call, graphs):
         assert torch.equal(y, serial[k])
+
+
+@pytest.mark.parametrize("form", ["optimize", "convert"])
+@pytest.mark.parametrize("name", ["resnet18", "bert_base"])
+def test_an_int8_model_from_eight_threads_gives_the_serial_answers(name, form):
+    """int8 (cpu_opt.quant): the optimized graph (fused, chained uint8) and the converted module."""
+    from cpu_opt import quant
+
+    spec = ZOO[name]
+    model = spec.build("small")
+    torch.manual_seed(2)
+    calib = [spec.example_inputs(2, "small") for _ in range(2)]
+    if form == "optimize":
+        m = cpu_opt.optimize(model, calib[0], dtype="int8", calibration_data=calib)
+        assert m.report()["int8"] and "fell_back" not in m.report()["validation"]
+    else:
+        p = quant.prepare(model)
+        for x in calib:
+            spec.call(p, x)
+        m = quant.convert(p)
+        assert quant.report(m)["layers"]
+    inputs = [spec.example_inputs(2, "small") for _ in range(4)]
+    with torch.no_grad():
+        serial = [[t.clone() for t in _leaves(spec.call(m, x))] for x in inputs]
+
+    def call(x):
+        with torch.no_grad():
+            return spec.call(m, x)
+
+    for k, out in _hammer(call, inputs):
+        for a, b in zip(_leaves(out), serial[k], strict=True):
+            assert torch.equal(a, b), f"thread result differs from the serial one ({name}, int8 {form})"
