@@ -101,11 +101,7 @@ def find_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, mapping: QConf
             kind, conv = "conv2d", dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
         if kind is None:
             continue
-        name = _module_name(n) or n.name
-        try:
-            module = model.get_submodule(name)
-        except AttributeError:
-            module = None
+        name, module = _resolve_module(model, _module_name(n) or n.name)
         qc = mapping.qconfig_for(name, module) if module is not None else mapping.qconfig_for(name, None)
         if qc is None:
             skipped.append((n.name, f"{name}: qconfig None, kept in fp32"))
@@ -151,6 +147,20 @@ def _residual(n: torch.fx.Node):
     if not isinstance(vo, torch.Tensor) or vo.shape != vn.shape or vo.dtype != torch.float32:
         return None, None
     return u, other
+
+
+def _resolve_module(model, path: str):
+    """``(name, module)`` for a node's module path. Capture may wrap the model (generate() wraps it
+    once more), which prefixes the paths ("model.wrapped.transformer.h.0..."): leading parts are
+    dropped until the rest names a submodule of ``model``."""
+    parts = path.split(".")
+    for i in range(len(parts)):
+        name = ".".join(parts[i:])
+        try:
+            return name, model.get_submodule(name)
+        except AttributeError:
+            continue
+    return path, None
 
 
 class Int8State:

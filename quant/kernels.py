@@ -27,8 +27,6 @@ never ``.view``-ed as ``uint8`` (that segfaults; its storage is re-wrapped inste
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +36,6 @@ __all__ = ["LINEAR_KERNELS", "CONV_KERNELS", "FAMILIES", "POST_OPS", "LinearKern
 
 POST_OPS = ("relu", "gelu_erf", "gelu_tanh", "silu")
 FAMILIES = ("fbgemm", "torch_onednn", "onednn")
-
-_ENGINE_LOCK = threading.Lock()
 
 _TORCH_POST = {
     None: None,
@@ -54,16 +50,11 @@ _QLINEAR_POST = {None: ("none", [], ""), "relu": ("relu", [], ""), "gelu_erf": (
 _QCONV_POST = {None: ("none", [], ""), "relu": ("relu", [], ""), "silu": ("swish", [], "")}
 
 
-@contextlib.contextmanager
 def _engine(name: str):
     """torch's quantized engine for a prepack (packed weights are engine-specific)."""
-    with _ENGINE_LOCK:
-        old = torch.backends.quantized.engine
-        torch.backends.quantized.engine = name
-        try:
-            yield
-        finally:
-            torch.backends.quantized.engine = old
+    from cpu_opt.platform.calibrate import quantized_engine
+
+    return quantized_engine(name)
 
 
 def warn_if_saturating(observer, where: str) -> None:

@@ -28,6 +28,7 @@ decided per model, by ``optimize(..., autotune=True)`` (the whole oneDNN plan ag
 from __future__ import annotations
 
 import contextlib
+import threading
 import datetime as _dt
 import math
 import time
@@ -137,14 +138,20 @@ def _linear(dtype: str, dims) -> Built:
     return out
 
 
+_ENGINE_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
-def _quantized_engine(name: str):
-    old = torch.backends.quantized.engine
-    torch.backends.quantized.engine = name
-    try:
-        yield
-    finally:
-        torch.backends.quantized.engine = old
+def quantized_engine(name: str):
+    """torch's quantized engine set to ``name`` for a prepack (packed weights are engine-specific;
+    cpu_opt.quant uses this too); one thread at a time, since the setting is process-wide."""
+    with _ENGINE_LOCK:
+        old = torch.backends.quantized.engine
+        torch.backends.quantized.engine = name
+        try:
+            yield
+        finally:
+            torch.backends.quantized.engine = old
 
 
 def _int8_inputs(shape, generator):
@@ -181,7 +188,7 @@ def _linear_int8(dims) -> Built:
     out_scale = float(ref.abs().max()) * 2 / 255 or 1.0
 
     def fbgemm():
-        with _quantized_engine("fbgemm"):
+        with quantized_engine("fbgemm"):
             qw = torch._make_per_channel_quantized_tensor(w, ws.double(), torch.zeros(n, dtype=torch.int64), 0)
             packed = torch.ops.quantized.linear_prepack(qw, None)
         qx = torch._make_per_tensor_quantized_tensor(x, xs, xz)
@@ -213,7 +220,7 @@ def _conv_int8(dims) -> Built:
                                                            1.0, 0, torch.float32, "none", [], "")
 
     def fbgemm():
-        with _quantized_engine("fbgemm"):
+        with quantized_engine("fbgemm"):
             qw = torch._make_per_channel_quantized_tensor(wt, ws.double(), wz, 0)
             packed = torch.ops.quantized.conv2d_prepack(qw, None, one, pad, one, 1)
         qx = torch._make_per_tensor_quantized_tensor(x, xs, xz)

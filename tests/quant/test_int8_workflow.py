@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_testutil import (REDUCE_RANGE, batches, buildable_families, cosine, minmax_mapping,  # noqa: E402
                             minmax_qconfig, small_cnn, sqnr_db)
 
+import cpu_opt  # noqa: E402
 from cpu_opt import quant  # noqa: E402
 from cpu_opt.models import ZOO  # noqa: E402
 from cpu_opt.quant import kernels as K  # noqa: E402
@@ -456,3 +457,24 @@ def test_sqnr_of_the_converted_mlp_is_stated():
     assert s >= 25.0, s
     with torch.no_grad():                                               # converted models deep-copy
         assert torch.equal(copy.deepcopy(q)(x), q(x))
+
+
+def test_int8_generate_quantizes_every_call_structure():
+    """optimize(dtype="int8").generate(): the prefill and decode plans (captured through generate's
+    wrapper, whose module paths carry extra prefixes) really run int8 kernels, calibrated once."""
+    T = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=128, bos_token_id=0,
+                       eos_token_id=0, pad_token_id=0)
+    model = T.GPT2LMHeadModel(cfg).eval()
+    prompt = torch.randint(1, 500, (1, 16), generator=torch.Generator().manual_seed(1))
+    calib = [{"input_ids": torch.randint(1, 500, (1, 16), generator=torch.Generator().manual_seed(i))}
+             for i in range(3)]
+    opt = cpu_opt.optimize(model, {"input_ids": prompt}, dtype="int8", calibration_data=calib)
+    out = opt.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    assert out.shape == (1, 22)
+    reports = opt._generation.reports()
+    assert len(reports) == 2                                     # prefill and decode
+    for r in reports:
+        assert any("9 layer(s) quantized" in line for line in r["passes"]), r["passes"]
+        assert "fell_back" not in r["validation"], r["validation"]
