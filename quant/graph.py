@@ -247,7 +247,12 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
     layers, skipped = find_layers(gm, model, state.mapping)
     state.skipped = skipped
     if not layers:
-        return ["int8: no Linear/Conv2d layer selected by the qconfig mapping; the graph stays fp32"]
+        import warnings
+
+        why = f" ({len(skipped)} kept in fp32: report()['int8_fp32_layers'] says why)" if skipped else ""
+        warnings.warn(f"dtype='int8': no Linear/Conv2d layer of this model is quantized{why}; it runs in fp32",
+                      RuntimeWarning, stacklevel=2)
+        return [f"int8: no Linear/Conv2d layer selected by the qconfig mapping; the graph stays fp32{why}"]
     if not state.qparams:
         if not state.calibration:
             raise RuntimeError("int8: no calibration data")

@@ -478,3 +478,13 @@ def test_int8_generate_quantizes_every_call_structure():
     for r in reports:
         assert any("9 layer(s) quantized" in line for line in r["passes"]), r["passes"]
         assert "fell_back" not in r["validation"], r["validation"]
+
+
+def test_optimize_int8_warns_when_nothing_is_quantized():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    x = torch.randn(2, 8)
+    mapping = quant.QConfigMapping().set_module_name("0", None)
+    with pytest.warns(RuntimeWarning, match="no Linear/Conv2d layer"):
+        opt = cpu_opt.optimize(model, (x,), dtype="int8", calibration_data=[(x,)], qconfig_mapping=mapping)
+    assert opt.report()["int8"] == [] and opt.report()["int8_fp32_layers"]
+    assert torch.allclose(opt(x), model(x), atol=1e-5)
