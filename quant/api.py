@@ -171,9 +171,12 @@ def choose_family(kind: str, rows: int, macs: int) -> tuple[str, str]:
     if fam == "onednn":
         try:
             from cpu_opt.dnnl import probe
-            probe.require("int8")
-        except Exception as e:  # noqa: BLE001 - any failure to load or create means "not here"
-            fam, why = "torch_onednn", f"cpu_opt's oneDNN unavailable ({e}); {why}"
+
+            ok, err = probe.accepts("int8"), "it creates no u8 x s8 matmul here"
+        except Exception as e:  # noqa: BLE001 - any failure to load means "not here"
+            ok, err = False, str(e)
+        if not ok:
+            fam, why = "torch_onednn", f"cpu_opt's oneDNN unavailable ({err}); {why}"
     return fam, why
 
 
