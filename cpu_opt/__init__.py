@@ -19,8 +19,8 @@ __version__ = "0.1.0"
 
 
 def optimize(model, example_inputs, **kwargs):
-    """See :func:`cpu_opt.pipeline.optimize`."""
-    from .pipeline import optimize as _optimize
+    """See :func:`cpu_opt.compiler.pipeline.optimize`."""
+    from .compiler.pipeline import optimize as _optimize
 
     return _optimize(model, example_inputs, **kwargs)
 

@@ -4,7 +4,7 @@ the first call's inputs, and compile new shapes as they come."""
 from __future__ import annotations
 
 
-def _wants_gradients(gm, args) -> bool:
+def wants_gradients(gm, args) -> bool:
     import torch
 
     if not torch.is_grad_enabled():
@@ -20,7 +20,7 @@ def cpu_opt_backend(gm, example_inputs, **options):
     state = {}
 
     def run(*args):
-        if _wants_gradients(gm, args):
+        if wants_gradients(gm, args):
             raise RuntimeError(
                 "the cpu_opt backend is for inference: its outputs carry no autograd graph, and this call "
                 "would need gradients (grad mode is on and an input or parameter requires grad). Call the "
@@ -28,7 +28,7 @@ def cpu_opt_backend(gm, example_inputs, **options):
                 "backend for training")
         m = state.get("m")
         if m is None:
-            from .pipeline import optimize
+            from .compiler.pipeline import optimize
 
             m = state["m"] = optimize(gm, tuple(args), **options)
         return m(*args)

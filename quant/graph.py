@@ -23,7 +23,8 @@ import itertools
 import torch
 import torch.fx
 
-from cpu_opt import passes
+from cpu_opt.compiler.passes import fx
+from cpu_opt.compiler.passes.linear import linear_operands
 
 from . import kernels as K
 from .modules import _weight_qparams, smoothquant_scales
@@ -69,7 +70,7 @@ def find_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, mapping: QConf
     """The layers to quantize, in graph order, and (node name, why) for those kept in fp32."""
     layers, skipped, seen, claimed = [], [], {}, set()
     for n in gm.graph.nodes:
-        ops = passes._linear_operands(gm, n)
+        ops = linear_operands(gm, n)
         kind = None
         if ops is not None:
             x, w_node, wt, kn, b_node = ops
@@ -91,11 +92,11 @@ def find_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, mapping: QConf
             if not isinstance(w_node, torch.fx.Node) or w_node.op != "get_attr" or isinstance(padding, str):
                 continue
             try:
-                w = passes._get_param(gm, w_node)
-                passes._get_param(gm, b_node)
-            except passes._NotFoldable:
+                w = fx.get_constant(gm, w_node)
+                fx.get_constant(gm, b_node)
+            except fx.NotConstant:
                 continue
-            vx = passes._val(x)
+            vx = fx.node_value(x)
             if w.dim() != 4 or not isinstance(vx, torch.Tensor) or vx.dim() != 4 or vx.dtype != torch.float32:
                 continue
             kind, conv = "conv2d", dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
@@ -122,7 +123,7 @@ def find_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, mapping: QConf
         ident = id(module) if module is not None else name
         i = seen[ident] = seen.get(ident, -1) + 1
         layers.append(Layer(node=n, kind=kind, name=name, key=(ident, i), qconfig=qc, x=x, w=w,
-                            b=passes._get_param(gm, b_node), conv=conv, act=act, add=add, other=other,
+                            b=fx.get_constant(gm, b_node), conv=conv, act=act, add=add, other=other,
                             value=act if act is not None else last, module=module))
     return layers, skipped
 
@@ -143,7 +144,7 @@ def _residual(n: torch.fx.Node):
     other = a1 if a0 is n else a0 if a1 is n else None
     if not isinstance(other, torch.fx.Node) or other is n:
         return None, None
-    vo, vn = passes._val(other), passes._val(n)
+    vo, vn = fx.node_value(other), fx.node_value(n)
     if not isinstance(vo, torch.Tensor) or vo.shape != vn.shape or vo.dtype != torch.float32:
         return None, None
     return u, other
@@ -294,7 +295,7 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
                    and all(sum(1 for a in c.node.args if a is L.value) == 1 for c in consumers)
                    and all(sum(1 for a in c.add.args if a is L.value) == 1 for c in residuals))
         out_qp = (x_qp[consumers[0].key] if consumers else _qp(state.qparams[L.key]["out"])) if chained else None
-        vx = passes._val(L.x)
+        vx = fx.node_value(L.x)
         rows = vx.numel() // vx.shape[-1] if L.kind == "linear" else vx.shape[0]
         macs = rows * L.w.numel() if L.kind == "linear" else \
             vx.shape[0] * vx.shape[2] * vx.shape[3] * L.w.numel() // max(1, _first(L.conv["stride"]) ** 2)
@@ -328,7 +329,7 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
         x_in = new_nodes.get(L.x, L.x)
         with gm.graph.inserting_before(L.value):
             if L.key in smooth:   # x / s (SmoothQuant), then the kernel on the migrated weights
-                inv = passes._add_param(gm, (1.0 / smooth[L.key]).float(), L.value, "smooth_inv")
+                inv = fx.add_constant(gm, (1.0 / smooth[L.key]).float(), L.value, "smooth_inv")
                 x_in = gm.graph.call_function(aten.mul.Tensor, (x_in, inv))
                 x_in.meta["val"] = vx
             args = (x_in,)
@@ -337,7 +338,7 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
                 kernel.other_qparams = chain_qp.get(o_in) or _qp(state.qparams[L.key]["other"])
                 args = (x_in, o_in)
             new = gm.graph.call_function(kernel, args)
-        vv = passes._val(L.value)
+        vv = fx.node_value(L.value)
         new.meta = {k: v for k, v in L.value.meta.items() if k != "val"}
         new.meta["val"] = torch.empty_strided(vv.shape, vv.stride(), dtype=torch.uint8 if chained else vv.dtype,
                                               device="meta")
@@ -353,11 +354,11 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
                        "out": "uint8 (chained)" if chained else "fp32",
                        "in": "uint8 (chained)" if L.x in new_nodes else "fp32"})
     # inputs that were chained were recorded by their (now replaced) value node: fix the "in" column
-    chained_values = {n for n in new_nodes.values() if passes._val(n) is not None and passes._val(n).dtype == torch.uint8}
+    chained_values = {n for n in new_nodes.values() if fx.node_value(n) is not None and fx.node_value(n).dtype == torch.uint8}
     for r, L in zip(report, layers):
         r["in"] = "uint8 (chained)" if new_nodes.get(L.x, L.x) in chained_values else "fp32"
     gm.graph.eliminate_dead_code()
-    passes._drop_unused_attrs(gm)
+    fx.drop_unused_constants(gm)
     gm.graph.lint()
     gm.recompile()
     if not state.layers_report:   # the first (the example's) graph; re-plans for new shapes repeat it
@@ -384,7 +385,7 @@ def _measure_families(L, build, vx, x_qp, state):
         memory_format=torch.channels_last if vx.dim() == 4 else torch.contiguous_format)
     other = None
     if L.other is not None:
-        other = torch.randn(passes._val(L.other).shape, generator=g)
+        other = torch.randn(fx.node_value(L.other).shape, generator=g)
     cands = {}
     for fam in (K.LINEAR_KERNELS if L.kind == "linear" else K.CONV_KERNELS):
         if fam == "torch":

@@ -13,7 +13,7 @@ from torch import nn
 
 import cpu_opt
 from cpu_opt import dnnl, gnn
-from cpu_opt.runtime import PartitionStep
+from cpu_opt.backends.onednn_graph import PartitionStep
 
 RSS_SLACK_MB = 24
 

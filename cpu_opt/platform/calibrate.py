@@ -232,7 +232,7 @@ def _conv_int8(dims) -> Built:
 
 
 def _attention(dtype: str, dims) -> Built:
-    from ..attention import matmul_softmax_attention
+    from ..backends.attention import matmul_softmax_attention
 
     bsz, heads, seq, d = dims
     dt = TORCH_DTYPE[dtype]

@@ -1,11 +1,12 @@
 """Helpers for tests/optimize (imported by name: conftest.py puts this folder on sys.path)."""
-from cpu_opt import pipeline, routing
+from cpu_opt import routing
+from cpu_opt.compiler import plan
 
 
 def onednn_graph_used(dtype: str = "fp32") -> bool:
     """Does optimize hand ``dtype`` graphs to oneDNN here (the library takes the dtype at this ISA and
     routing sends some GEMM/conv work of it to oneDNN)?"""
-    return pipeline._why_not_onednn(dtype) is None
+    return plan.why_not_onednn(dtype) is None
 
 
 def conv_on_onednn(dtype: str = "fp32") -> bool:

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import cpu_opt
-from cpu_opt.capture import CaptureError
+from cpu_opt.compiler.capture import CaptureError
 from optimize_testutil import assert_whole_graph_in_torch, conv_on_onednn, onednn_graph_used
 
 
@@ -171,7 +171,7 @@ def test_autotune_measures_both_plans_and_keeps_one():
 
 
 def test_dynamic_reuses_the_capture_for_new_shapes(monkeypatch):
-    from cpu_opt import pipeline
+    from cpu_opt.compiler import pipeline
 
     m = Block().eval()
     opt = cpu_opt.optimize(m, torch.randn(2, 3, 10, 10), dtype="fp32", dynamic=True)
@@ -212,7 +212,7 @@ def test_concurrent_calls_from_threads_agree_with_eager():
 def test_shape_propagation_on_fake_tensors_matches_a_real_run(name):
     import torch.utils._pytree as pytree
 
-    from cpu_opt.capture import _MetaRecorder, _propagate_shapes, capture, flatten_inputs
+    from cpu_opt.compiler.capture import _MetaRecorder, _propagate_shapes, capture, flatten_inputs
     from cpu_opt.models import ZOO
 
     spec = ZOO[name]
@@ -236,7 +236,7 @@ def _no_fake_kernel(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_shape_propagation_falls_back_to_a_real_run_without_a_fake_kernel():
-    from cpu_opt.capture import _propagate_shapes
+    from cpu_opt.compiler.capture import _propagate_shapes
 
     class M(nn.Module):
         def forward(self, x):

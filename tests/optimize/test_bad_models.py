@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import cpu_opt
-from cpu_opt.capture import CaptureError
+from cpu_opt.compiler.capture import CaptureError
 from optimize_testutil import onednn_graph_used
 
 
@@ -124,7 +124,7 @@ def test_a_model_optimized_in_train_mode_is_planned_in_eval_mode_at_new_shapes_t
 
 
 def test_a_new_shape_that_disagrees_with_eager_runs_in_torch_and_is_reported(monkeypatch):
-    from cpu_opt import pipeline
+    from cpu_opt.compiler import pipeline
 
     m = WithBatchNorm().eval()
     opt = cpu_opt.optimize(m, torch.randn(2, 3, 8, 8), dtype="fp32")
@@ -308,7 +308,7 @@ class GeluMLP(nn.Module):
 def test_validation_narrows_a_wrong_partition_down_and_runs_only_it_in_torch(monkeypatch):
     """A partition that computes the wrong thing (here GELU lowered as Tanh, on purpose) is found by
     comparing each partition with torch on its own, and only it runs in torch; the rest stays."""
-    from cpu_opt import lowering
+    from cpu_opt.compiler import lowering
 
     monkeypatch.setitem(lowering.LOWERINGS, torch.ops.aten.gelu.default, lowering._eltwise("Tanh"))
     m = GeluMLP().eval()

@@ -8,8 +8,10 @@ from torch import nn
 
 import cpu_opt
 import optimize_testutil
-from cpu_opt import hw, passes, routing
-from cpu_opt.capture import capture
+from cpu_opt import hw, routing
+from cpu_opt.compiler import passes
+from cpu_opt.compiler.passes import linear as linear_pass
+from cpu_opt.compiler.capture import capture
 
 FIX = Path(__file__).parent.parent / "fixtures" / "cpuinfo"
 
@@ -84,7 +86,7 @@ def test_measured_route_takes_the_faster(monkeypatch, winner):
         seen.append((m, k, n, bias))
         return {winner: 1e-3, loser: 2e-3}
 
-    monkeypatch.setattr(passes, "measure_linear", fake)
+    monkeypatch.setattr(linear_pass, "measure_linear", fake)
     m = Mixed().eval()
     x = torch.randn(6, 24)
     gm = capture(m, x).gm

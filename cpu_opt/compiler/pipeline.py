@@ -16,40 +16,14 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from . import passes
-from .progress import Progress
-from .platform import hw, routing
-from .capture import Captured, CaptureError, _is_constant, _register_library_pytrees, _propagate_shapes, capture, flatten_inputs, tensor_leaves
-from .errors import CpuOptError
+from ..progress import Progress
+from ..platform import hw, routing
+from .capture import Captured, CaptureError, _is_constant, _register_library_pytrees, capture, flatten_inputs, tensor_leaves
+from ..errors import CpuOptError
+from .plan import KeptState, Plan, build_plan, copies
 
 aten = torch.ops.aten
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class _KeptState:
-    """The model's buffers as they were, put back after every run optimize makes on its own (the
-    eager reference, the plan's first run, autotune's timings): a model that updates a buffer in
-    forward (a step counter, a cache) has it updated by the user's calls only."""
-
-    def __init__(self, model: torch.nn.Module):
-        # cpu_opt's own constants (folded, packed: "_cpu_opt_*") are never written; plain layouts only;
-        # a broadcast (zero-stride) buffer cannot be written either (cpu_opt.quant's weight stand-ins)
-        self._saved = [(b, b.detach().clone()) for name, b in model.named_buffers()
-                       if b.layout == torch.strided and not name.rsplit(".", 1)[-1].startswith("_cpu_opt_")
-                       and not (b.numel() > 1 and 0 in b.stride())]
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for b, v in self._saved:
-                if b.shape == v.shape and b.dtype == v.dtype:
-                    b.copy_(v)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.restore()
-        return False
 
 
 def _shapes(sig) -> list:
@@ -73,8 +47,8 @@ def _partition_errors(plan: Plan, flat_in, dtype: str) -> list[dict]:
             env[n] = v
             return v
 
-    with torch.no_grad(), _KeptState(ctx.gm):
-        _Record(ctx.gm).run(*_copies(list(flat_in)))
+    with torch.no_grad(), KeptState(ctx.gm):
+        _Record(ctx.gm).run(*copies(list(flat_in)))
     bad = []
     for step in plan.steps:
         p, nodes = low.partitions[step.index]
@@ -122,11 +96,6 @@ def _out_dtypes(cap: Captured, options: dict) -> list:
             else None for a in outs]
 
 
-def _copies(tree):
-    """The same structure with every tensor cloned (models may write into their inputs)."""
-    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
-
-
 def _resolve_dtype(dtype: str) -> str:
     if dtype == "auto":
         return routing.auto_dtype()
@@ -139,162 +108,6 @@ def _resolve_dtype(dtype: str) -> str:
 
 def _signature(flat) -> tuple:
     return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (type(t), t) for t in flat)
-
-
-def _cast_inputs_outputs(gm: torch.fx.GraphModule, dtype: torch.dtype, out_dtypes: list) -> None:
-    """Cast floating graph inputs to ``dtype`` after the placeholders and outputs back to the
-    model's own dtypes."""
-    g = gm.graph
-    for n in list(g.nodes):
-        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point():
-            with g.inserting_after(n):
-                c = g.call_function(aten._to_copy.default, (n,), {"dtype": dtype})
-            n.replace_all_uses_with(c, delete_user_cb=lambda u: u is not c)
-    out = next(n for n in g.nodes if n.op == "output")
-    flat = list(out.args[0])
-    with g.inserting_before(out):
-        for i, a in enumerate(flat):
-            if isinstance(a, torch.fx.Node) and i < len(out_dtypes) and out_dtypes[i] is not None \
-                    and out_dtypes[i].is_floating_point and out_dtypes[i] != dtype:
-                flat[i] = g.call_function(aten._to_copy.default, (a,), {"dtype": out_dtypes[i]})
-    out.args = (tuple(flat),)
-    gm.recompile()
-
-
-def _channels_last_inputs(gm: torch.fx.GraphModule) -> bool:
-    """For convolution networks: make 4-D float inputs channels-last at the graph input."""
-    if not any(n.op == "call_function" and n.target == aten.conv2d.default for n in gm.graph.nodes):
-        return False
-    g = gm.graph
-    for n in list(g.nodes):
-        v = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_floating_point():
-            with g.inserting_after(n):
-                c = g.call_function(aten.clone.default, (n,), {"memory_format": torch.channels_last})
-            n.replace_all_uses_with(c, delete_user_cb=lambda u: u is not c)
-    gm.recompile()
-    return True
-
-
-def _route_attention(gm: torch.fx.GraphModule, dtype: str) -> list[str]:
-    """Attention ops go where the attention route says: torch's flash kernel (the SDPA node as it is)
-    or matmul -> softmax -> matmul in the graph's dtype (:mod:`cpu_opt.attention`)."""
-    r = routing.route("attention", dtype)
-    if r.backend not in ("bf16_matmul_softmax", "matmul_softmax"):
-        return []
-    from .attention import bf16_matmul_softmax_attention, matmul_softmax_attention
-
-    target = bf16_matmul_softmax_attention if r.backend == "bf16_matmul_softmax" else matmul_softmax_attention
-    n_done = 0
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target == aten.scaled_dot_product_attention.default:
-            if n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0):
-                continue  # dropout in attention: torch's kernel keeps its semantics
-            n.target = target
-            n_done += 1
-    gm.recompile()
-    return [f"{n_done} attention op(s) routed to {r.backend.replace('_', ' ')} ({r.why})"] if n_done else []
-
-
-def _why_not_onednn(dtype: str) -> str | None:
-    """Why the oneDNN Graph path is not used for ``dtype`` here, or ``None`` when it is: oneDNN has
-    no kernels for the dtype at the ISA it runs (the library is asked: bf16 below avx512_core would
-    abort inside oneDNN 3.2), or routing sends every GEMM and convolution of the dtype elsewhere."""
-    if dtype != "fp32":
-        from .dnnl import probe
-
-        try:
-            accepted = probe.accepts(dtype)
-        except Exception as e:  # noqa: BLE001 - no binding: reported by the caller's engine check
-            accepted, err = False, e
-        else:
-            err = None
-        if not accepted:
-            return (f"routing: {dtype} GEMM/conv work runs in torch on this CPU (oneDNN "
-                    f"{'is unavailable: ' + str(err) if err else 'creates no ' + dtype + ' matmul at this ISA'})")
-    rs = [routing.route(w, dtype) for w in ("gemm", "linear", "conv")]
-    if all(r.backend != "onednn" for r in rs):
-        return f"routing: {dtype} GEMM/conv work runs in torch on this CPU ({rs[0].why})"
-    return None
-
-
-class Plan:
-    """Everything compiled for one input signature."""
-
-    def __init__(self, program, steps, lowered, log, seconds):
-        self.out_spec = None  # None: the module's captured output structure
-        self.program = program
-        self.steps = steps
-        self.lowered = lowered
-        self.log = log
-        self.seconds = seconds
-
-
-def _build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbose: bool, progress: Progress,
-                use_onednn: bool = True, shapes_known: bool = True, measure: bool = False,
-                exclude: dict | None = None, int8=None) -> Plan:
-    from .lowering import lower
-    from .runtime import build_program
-
-    t0 = time.perf_counter()
-    kept = _KeptState(gm)  # shape propagation may fall back to a real run, which updates buffers
-    if not shapes_known:  # a re-plan of a dynamic capture for new input shapes
-        _propagate_shapes(gm, flat_in)
-    log = passes.run_passes(gm)
-    progress.step("passes")
-    if dtype == "int8":  # int8 layers in the graph (cpu_opt.quant.graph), everything else fp32
-        from .quant.graph import quantize_graph
-
-        if int8 is None:
-            raise CpuOptError("dtype='int8' needs calibration (optimize(..., calibration_data=...))")
-        log += quantize_graph(gm, *int8)
-        _propagate_shapes(gm, flat_in)
-        dtype = "fp32"
-    if dtype == "bf16":
-        log += passes.cast_params(gm, torch.bfloat16)
-        _cast_inputs_outputs(gm, torch.bfloat16, out_dtypes)
-        _propagate_shapes(gm, flat_in)
-    log += _route_attention(gm, dtype)
-    cl = _channels_last_inputs(gm)
-    if cl:
-        log.append("convolution network: inputs and 4-D activations in channels-last")
-    gm.recompile()
-    _propagate_shapes(gm, flat_in)
-    if use_onednn:
-        log += passes.route_linears(gm, dtype, measure=measure)
-    progress.step("shapes")
-    lowered = None
-    if use_onednn:
-        why_not = _why_not_onednn(dtype)
-        if why_not:
-            log.append(why_not)
-            use_onednn = False
-    if use_onednn:
-        try:
-            from . import dnnl
-
-            dnnl.engine()
-        except Exception as e:  # noqa: BLE001 - no binding here: everything runs in torch
-            log.append(f"oneDNN unavailable ({e}); the graph runs in torch")
-        else:
-            try:
-                lowered = lower(gm, dtype, exclude)
-            except Exception as e:  # noqa: BLE001 - reported, and the graph still runs
-                log.append(f"lowering to oneDNN Graph failed ({type(e).__name__}: {e}); the graph runs in torch")
-    progress.step("lower + partition")
-    if lowered is not None:
-        program, steps = build_program(gm, lowered, channels_last=cl)
-    else:
-        program, steps = gm, []
-    kept.restore()
-    with torch.no_grad():
-        # compiles every partition for these shapes, allocates buffers; on copies, so a model that
-        # writes into its inputs does not write into the caller's (the real call runs it once more)
-        first = program(*_copies(flat_in))
-    progress.step("compile partitions")
-    plan = Plan(program, steps, lowered, log, time.perf_counter() - t0)
-    plan.first_output = first  # the caller validates it (or drops it)
-    return plan
 
 
 class OptimizedModule(torch.nn.Module):
@@ -404,7 +217,7 @@ class OptimizedModule(torch.nn.Module):
             was_training = model.training
             model.eval()  # a model optimized in train mode is still planned (and compared) in eval mode
             try:
-                with _KeptState(model):  # planning's own runs leave the model's buffers as they were
+                with KeptState(model):  # planning's own runs leave the model's buffers as they were
                     plan = self._plan_for(model, args, kwargs, flat, sig)
                     if self._options.get("validate", True):
                         plan = self._validated(model, plan, args, kwargs, flat, sig)
@@ -425,7 +238,7 @@ class OptimizedModule(torch.nn.Module):
         if self._options.get("pristine") is not None:
             gm = copy.deepcopy(self._options["pristine"])
             try:
-                return _build_plan(gm, tin, self.dtype, self._options["out_dtypes"], False,
+                return build_plan(gm, tin, self.dtype, self._options["out_dtypes"], False,
                                    Progress(False, 4, ""), use_onednn=self._options["use_onednn"],
                                    shapes_known=False, measure=self._options.get("autotune", False),
                                    exclude=self._options.get("exclude"), int8=self._options.get("int8"))
@@ -437,7 +250,7 @@ class OptimizedModule(torch.nn.Module):
             cap = capture(model, kwargs if kwargs else args)
         except CaptureError as e:
             raise CpuOptError(f"new input shapes {_shapes(sig)}: re-capture failed: {e}") from e
-        plan = _build_plan(cap.gm, tin, self.dtype, _out_dtypes(cap, self._options), False, Progress(False, 4, ""),
+        plan = build_plan(cap.gm, tin, self.dtype, _out_dtypes(cap, self._options), False, Progress(False, 4, ""),
                            use_onednn=self._options["use_onednn"], measure=self._options.get("autotune", False),
                            exclude=self._options.get("exclude"), int8=self._options.get("int8"))
         plan.out_spec = cap.out_spec  # other constants can give another output structure
@@ -449,13 +262,13 @@ class OptimizedModule(torch.nn.Module):
         if not plan.steps or plan.first_output is None:
             return plan
         with torch.no_grad():
-            a, k = _copies((args, kwargs))
+            a, k = copies((args, kwargs))
             ref = model(*a, **k)
         res = _compare(pytree.tree_unflatten(list(plan.first_output), plan.out_spec or self._captured.out_spec),
                        ref, self.dtype)
         if not res["ok"]:
             cap = capture(model, kwargs if kwargs else args, eager_output=ref)
-            plan = _build_plan(cap.gm, tensor_leaves(flat), self.dtype, _out_dtypes(cap, self._options), False,
+            plan = build_plan(cap.gm, tensor_leaves(flat), self.dtype, _out_dtypes(cap, self._options), False,
                                Progress(False, 4, ""), use_onednn=False, int8=self._options.get("int8"))
             plan.out_spec = cap.out_spec
             res["fell_back"] = "outputs differed from eager at this shape; it runs in torch"
@@ -614,7 +427,7 @@ def _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options) -> O
     example inputs, and keep the faster one (the report says which, with both times)."""
     cap2 = capture(model, example_inputs)
     opts2 = dict(options, use_onednn=False)
-    plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False,
+    plan2 = build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False,
                         int8=options.get("int8"))
     alt = OptimizedModule(model, cap2, plan2, dt, pytree.tree_leaves(flatten_inputs(example_inputs)), opts2)
     args, kwargs = flatten_inputs(example_inputs)
@@ -657,6 +470,7 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     following ReLU/GELU/SiLU fused and consecutive int8 layers chained in uint8; the rest of the
     graph is optimized as in fp32. ``.report()["int8"]`` lists each layer's kernel and why;
     validation reports the cosine and SQNR against the fp32 model.
+
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -672,7 +486,7 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     if info.arch == "aarch64":
         # aarch64: ACL through torch's own oneDNN; cpu_opt's binding and native kernels are not
         # used there (no oneDNN wheel for aarch64).
-        from .graviton import optimize_for_arm
+        from ..graviton import optimize_for_arm
 
         arm = optimize_for_arm(model, example_inputs, dtype={"auto": "auto", "fp32": "float32",
                                                              "bf16": "bfloat16"}[dtype])
@@ -694,7 +508,7 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     progress = Progress(verbose, 5, f"cpu_opt.optimize({type(model).__name__})")
     t0 = time.perf_counter()
     try:
-        with _KeptState(model) as state:
+        with KeptState(model) as state:
             opt = _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbose, validate, max_shapes,
                             progress, state, int8)
     finally:
@@ -704,7 +518,7 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     opt._base_plan.seconds = time.perf_counter() - t0
     for p in opt._plans.values():
         p.first_output = None  # do not keep the example's outputs alive
-    opt._watch_weights(lambda: optimize(model, _copies(example_inputs), dtype=dtype, dynamic=dynamic,
+    opt._watch_weights(lambda: optimize(model, copies(example_inputs), dtype=dtype, dynamic=dynamic,
                                         autotune=autotune, verbose=False, validate=validate, max_shapes=max_shapes,
                                         _int8_state=int8[1] if int8 else None))
     if verbose:
@@ -715,8 +529,8 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
 def _int8_setup(args, kwargs, calibration_data, qconfig_mapping, autotune=False):
     """The int8 state for optimize: the mapping, and each calibration item flattened like the
     example inputs (same structure and constants; only tensors may differ)."""
-    from .quant.graph import Int8State
-    from .quant.qconfig import QConfigMapping, default_qconfig_mapping
+    from ..quant.graph import Int8State
+    from ..quant.qconfig import QConfigMapping, default_qconfig_mapping
 
     if calibration_data is None:
         raise ValueError("dtype='int8' needs calibration_data: an iterable of inputs like example_inputs (a few "
@@ -746,9 +560,9 @@ def _int8_setup(args, kwargs, calibration_data, qconfig_mapping, autotune=False)
 
 
 def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbose, validate, max_shapes, progress,
-              state: _KeptState, int8=None) -> OptimizedModule:
+              state: KeptState, int8=None) -> OptimizedModule:
     with torch.no_grad():
-        a, k = _copies((args, kwargs))  # the reference must not write into the user's example inputs
+        a, k = copies((args, kwargs))  # the reference must not write into the user's example inputs
         ref = model(*a, **k)
     state.restore()
     with warnings.catch_warnings():
@@ -764,7 +578,7 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
                "pristine": copy.deepcopy(captured.gm) if dynamic and not captured.constants else None,
                "validate": bool(validate),
                "max_shapes": max_shapes, "int8": int8}
-    plan = _build_plan(captured.gm, flat_in, dt, out_dtypes, verbose, progress, measure=bool(autotune),
+    plan = build_plan(captured.gm, flat_in, dt, out_dtypes, verbose, progress, measure=bool(autotune),
                        int8=options.get("int8"))
     state.restore()
     opt = OptimizedModule(model, captured, plan, dt, leaves, options)
@@ -782,7 +596,7 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
                            for b in bad for name in b["nodes"]}
                 cap2 = capture(model, example_inputs, eager_output=ref)
                 state.restore()
-                plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""),
+                plan2 = build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""),
                                     exclude=exclude, int8=options.get("int8"))
                 state.restore()
                 res2 = _compare(pytree.tree_unflatten(list(plan2.first_output), cap2.out_spec), ref, dt)
@@ -798,7 +612,7 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
             was_int8 = dt == "int8"
             if was_int8:
                 dt, options["int8"] = "fp32", None
-            plan2 = _build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False,
+            plan2 = build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False,
                                 int8=options.get("int8"))
             state.restore()
             opt = OptimizedModule(model, cap2, plan2, dt, leaves, options)

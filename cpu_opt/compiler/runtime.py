@@ -11,77 +11,14 @@ copies, and reuses its output buffers across calls unless they can escape to the
 from __future__ import annotations
 
 import operator
-import threading
 
 import torch
 import torch.fx
 
-from .dnnl import graph as G
+from ..backends.onednn_graph import PartitionStep
 from .lowering import LoweredGraph
 
 aten = torch.ops.aten
-
-
-class PartitionStep:
-    """Callable for one oneDNN partition: ``step(*inputs) -> tuple(outputs)``."""
-
-    def __init__(self, index: int, partition: G.Partition, input_ids: list[int], output_ids: list[int],
-                 consts: dict, reuse_outputs: list[bool], channels_last_out: bool, out_strides=None):
-        self.index = index
-        self.partition = partition
-        self.input_ids = input_ids      # lt ids, in the partition's input-port order (runtime args)
-        self.output_ids = output_ids
-        self.consts = consts            # position -> tensor for scalar constants
-        self.reuse = reuse_outputs
-        self.channels_last_out = channels_last_out
-        # per output: the strides the captured graph's metadata gives that value (what its consumers,
-        # a later .view() among them, were traced against), or None for values no FX node stands for
-        self.out_strides = list(out_strides) if out_strides is not None else [None] * len(output_ids)
-        self._compiled: dict = {}
-        self._tls = threading.local()   # reused output buffers: per thread, so concurrent calls never share
-        self.__name__ = f"onednn_partition_{index}"
-
-    def _compile(self, inputs):
-        ins = []
-        for lt, t in zip(self.partition.inputs, inputs):
-            ins.append(G.LogicalTensor(lt.id, tuple(t.shape), t.dtype, tuple(t.stride()), "strided", lt.constant))
-        outs = []
-        for lt, want in zip(self.partition.outputs, self.out_strides):
-            shape = lt.shape
-            if want is not None:
-                strides = want
-            elif self.channels_last_out and len(shape) == 4:
-                strides = torch.empty(shape, device="meta").contiguous(memory_format=torch.channels_last).stride()
-            else:
-                strides = G._contiguous_strides(shape)
-            outs.append(G.LogicalTensor(lt.id, shape, lt.dtype, tuple(strides), "strided", False))
-        return self.partition.compile(ins, outs)
-
-    def __call__(self, *inputs):
-        if self.consts:
-            inputs = list(inputs)
-            for pos, t in self.consts.items():
-                inputs.insert(pos, t)
-        sig = tuple((t.shape, t.stride(), t.dtype) for t in inputs)
-        cp = self._compiled.get(sig)
-        if cp is None:
-            cp = self._compiled[sig] = self._compile(inputs)
-        per_thread = getattr(self._tls, "buffers", None)
-        if per_thread is None:
-            per_thread = self._tls.buffers = {}
-        bufs = per_thread.get(sig)
-        if bufs is None:
-            outs = cp.new_outputs()
-            per_thread[sig] = [b if r else None for b, r in zip(outs, self.reuse)]
-        else:
-            outs = [b if b is not None else torch.empty_strided(lt.shape, lt.strides, dtype=lt.dtype)
-                    for b, lt in zip(bufs, cp.outputs)]
-        cp.run_unchecked(list(inputs), outs)  # the signature picked ``cp``; the buffers are its own
-        return tuple(outs)
-
-    @property
-    def op_kinds(self) -> list[str]:
-        return self.partition.op_kinds
 
 
 def may_alias_inputs(n: torch.fx.Node) -> bool:

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from .platform import routing
-from .dnnl import graph as G
-from .dnnl.memory import TORCH_TO_DNNL
+from ..platform import routing
+from ..dnnl import graph as G
+from ..dnnl.memory import TORCH_TO_DNNL
 
 aten = torch.ops.aten
 

@@ -15,7 +15,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .errors import CpuOptError
+from ..errors import CpuOptError
 
 
 class CaptureError(CpuOptError):

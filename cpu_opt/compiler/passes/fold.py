@@ -1,0 +1,141 @@
+"""Folding passes: :func:`fold_batchnorm` (inference BatchNorm after a convolution or linear layer
+becomes part of its weights and bias), :func:`fold_constants` (nodes computed only from
+parameters/buffers are computed once) and :func:`cast_params` (floating parameters and buffers
+converted once, for bf16)."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from .fx import (ASSERTS, NotConstant, add_constant, drop_unused_constants, get_constant, mutated_state,
+                 replace_node, writes_in_place)
+
+aten = torch.ops.aten
+
+
+def _bn_params(gm, n):
+    """(weight, bias, mean, var, eps) of an inference batch-norm node, or None."""
+    if n.target == aten.batch_norm.default:
+        x, w, b, mean, var, training, _mom, eps = n.args[:8]
+        if training:
+            return None
+    elif n.target == aten._native_batch_norm_legit_no_training.default:
+        x, w, b, mean, var, _mom, eps = n.args[:7]
+    else:
+        return None
+    try:
+        return [get_constant(gm, t) for t in (w, b, mean, var)] + [float(eps)]
+    except NotConstant:
+        return None
+
+
+def fold_batchnorm(gm: torch.fx.GraphModule) -> list[str]:
+    folded = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in (aten.batch_norm.default,
+                                                       aten._native_batch_norm_legit_no_training.default):
+            continue
+        prod = n.args[0]
+        if not isinstance(prod, torch.fx.Node) or prod.op != "call_function" or len(prod.users) != 1:
+            continue
+        if prod.target not in (aten.conv2d.default, aten.linear.default, aten.convolution.default):
+            continue
+        p = _bn_params(gm, n)
+        if p is None:
+            continue
+        bw, bb, mean, var, eps = p
+        try:
+            w = get_constant(gm, prod.args[1])
+            b = get_constant(gm, prod.args[2] if len(prod.args) > 2 else None)
+        except NotConstant:
+            continue
+        if prod.target == aten.convolution.default and prod.args[6]:  # transposed
+            continue
+        with torch.no_grad():
+            scale = (bw if bw is not None else torch.ones_like(var)) / torch.sqrt(var + eps)
+            shift = (bb if bb is not None else torch.zeros_like(mean)) - mean * scale
+            shape = (-1,) + (1,) * (w.dim() - 1)
+            new_w = (w.double() * scale.double().reshape(shape)).to(w.dtype)
+            new_b = ((b.double() if b is not None else torch.zeros_like(mean, dtype=torch.float64)) * scale.double()
+                     + shift.double()).to(w.dtype)
+        wn = add_constant(gm, new_w, prod, "w")
+        bn = add_constant(gm, new_b, prod, "b")
+        args = list(prod.args)
+        args[1] = wn
+        if len(args) > 2:
+            args[2] = bn
+        else:
+            args.append(bn)
+        prod.args = tuple(args)
+        if n.target == aten._native_batch_norm_legit_no_training.default:
+            for u in list(n.users):
+                if u.target is operator.getitem and u.args[1] == 0:
+                    replace_node(u, prod)
+            if not n.users:
+                gm.graph.erase_node(n)
+        else:
+            replace_node(n, prod)
+        folded += 1
+    gm.graph.eliminate_dead_code()
+    drop_unused_constants(gm)
+    return [f"folded {folded} BatchNorm(s) into conv/linear weights"] if folded else []
+
+
+_NONDETERMINISTIC = {aten.rand.default, aten.randn.default, aten.randint.low, aten.bernoulli.default,
+                     aten.empty.memory_format, aten.empty_like.default}
+
+
+def fold_constants(gm: torch.fx.GraphModule) -> list[str]:
+    """Evaluate nodes whose inputs are all parameters/buffers/literals, once. A buffer the graph
+    writes into (a running count, a cache) is state, not a constant: nothing reading it is folded,
+    and no in-place op is ever evaluated here (it would write into the model's own tensors)."""
+    const: dict[torch.fx.Node, object] = {}
+    state = mutated_state(gm)
+    folded = 0
+    for n in list(gm.graph.nodes):
+        if n.op == "get_attr":
+            if n in state:
+                continue
+            try:
+                const[n] = get_constant(gm, n)
+            except Exception:
+                pass
+            continue
+        if n.op != "call_function" or n.target in _NONDETERMINISTIC or n.target in ASSERTS or writes_in_place(n):
+            continue
+        inputs = n.all_input_nodes
+        if not inputs or not all(i in const for i in inputs):
+            continue
+        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: const[a])
+        try:
+            with torch.no_grad():
+                val = n.target(*args, **kwargs)
+        except Exception:
+            continue
+        if isinstance(val, torch.Tensor):
+            node = add_constant(gm, val.clone(), n, "const")
+            const[node] = val
+            replace_node(n, node)
+            folded += 1
+        else:
+            const[n] = val
+    gm.graph.eliminate_dead_code()
+    drop_unused_constants(gm)
+    return [f"folded {folded} constant subexpression(s)"] if folded else []
+
+
+def cast_params(gm: torch.fx.GraphModule, dtype: torch.dtype) -> list[str]:
+    """Convert every floating parameter/buffer to ``dtype`` once."""
+    n = 0
+    for mod in gm.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if p.is_floating_point() and p.dtype != dtype:
+                mod._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+                n += 1
+        for name, b in list(mod.named_buffers(recurse=False)):
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                mod._buffers[name] = b.to(dtype)
+                n += 1
+    return [f"cast {n} parameter/buffer tensor(s) to {dtype}"] if n else []
