@@ -30,7 +30,7 @@ def cpu_opt_backend(gm, example_inputs, **options):
         if m is None:
             from .compiler.pipeline import optimize
 
-            m = state["m"] = optimize(gm, tuple(args), **options)
+            m = state["m"] = optimize(gm, tuple(args), _dynamo_fallback=False, **options)
         return m(*args)
 
     run._cpu_opt_state = state

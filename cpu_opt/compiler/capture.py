@@ -7,6 +7,9 @@ says so; where both fail, :class:`CaptureError` names the op or construct export
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -99,7 +102,7 @@ def capture(model: torch.nn.Module, example_inputs, *, dynamic_shapes=None, eage
             t_dyn = None
             notes.append("dynamic shapes are not used with non-tensor inputs; each new shape is captured")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_export():
             warnings.simplefilter("ignore")
             ep = torch.export.export(target, t_args, t_kwargs, strict=False, dynamic_shapes=t_dyn)
         gm = ep.module()
@@ -115,6 +118,20 @@ def capture(model: torch.nn.Module, example_inputs, *, dynamic_shapes=None, eage
                                f"FX symbolic_trace: {_explain(e_fx)}") from e_fx
     _propagate_shapes(gm, flat_in)
     return Captured(gm, in_spec, out_spec, method, notes, len(flat_in), constants)
+
+
+@contextlib.contextmanager
+def _quiet_export():
+    """torch.export's failures on data-dependent code print the partial graph to stderr and log a
+    warning; the failure is reported (and another capture tried), so neither reaches the user."""
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        log.setLevel(level)
 
 
 CONSTANT_TYPES = (bool, int, float, str, type(None))

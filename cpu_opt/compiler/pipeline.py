@@ -445,7 +445,7 @@ MAX_SHAPES = 32  # plans kept per optimized model (LRU; the example's plan is ne
 
 def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dynamic=None, autotune: bool = False,
              verbose: bool = False, validate: bool = True, max_shapes: int = MAX_SHAPES, calibration_data=None,
-             qconfig_mapping=None, _int8_state=None) -> OptimizedModule:
+             qconfig_mapping=None, _int8_state=None, _dynamo_fallback: bool = True) -> OptimizedModule:
     """Optimize ``model`` for this CPU.
 
     ``example_inputs``: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
@@ -471,6 +471,10 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     graph is optimized as in fp32. ``.report()["int8"]`` lists each layer's kernel and why;
     validation reports the cosine and SQNR against the fp32 model.
 
+    A model neither ``torch.export`` nor FX symbolic tracing takes (data-dependent control flow,
+    Python side effects) is captured through dynamo instead: a :class:`~cpu_opt.compiler.dynamo.DynamoModule`
+    whose traceable pieces are each optimized, the rest run in Python; its report says where the
+    graph broke and why (``dtype="int8"`` needs one captured graph and raises ``CaptureError``).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -511,6 +515,16 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
         with KeptState(model) as state:
             opt = _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbose, validate, max_shapes,
                             progress, state, int8)
+    except CaptureError as e:
+        if not _dynamo_fallback or dt == "int8":  # int8 calibrates one captured graph; a dynamo piece is its own
+            raise
+        progress.done()
+        from .dynamo import DynamoModule
+
+        opt = DynamoModule(model, example_inputs, dtype=dt, capture_error=e, validate=validate, max_shapes=max_shapes)
+        if verbose:
+            opt.print_report()
+        return opt
     finally:
         if was_training:
             model.train()

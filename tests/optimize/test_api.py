@@ -103,9 +103,13 @@ class Untraceable(nn.Module):
         return x.numpy()
 
 
-def test_uncapturable_model_names_the_problem():
-    with pytest.raises(CaptureError, match="torch.export"):
-        cpu_opt.optimize(Untraceable(), torch.randn(3))
+def test_uncapturable_model_runs_through_dynamo_and_names_the_problem():
+    opt = cpu_opt.optimize(Untraceable(), torch.ones(3))
+    r = opt.report()
+    assert r["capture"] == "dynamo" and "torch.export" in r["capture_notes"][0]
+    assert torch.equal(opt(torch.ones(3)), torch.full((3,), 2.0))
+    with pytest.raises(CaptureError, match="torch.export"):  # int8 calibrates one captured graph
+        cpu_opt.optimize(Untraceable(), torch.ones(3), dtype="int8", calibration_data=[torch.ones(3)])
 
 
 class WithUnlisted(nn.Module):
