@@ -19,6 +19,7 @@ calibrating again.
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 import torch.fx
@@ -175,6 +176,7 @@ class Int8State:
         self.qparams: dict[str, dict] = {}
         self.layers_report: list[dict] = []
         self.skipped: list = []
+        self.fp32_keys: dict = {}            # layer key -> why validation kept it in fp32
 
 
 def _calibrate(gm, layers, calibration) -> dict:
@@ -232,6 +234,72 @@ class _Observe(torch.nn.Module):
         return x
 
 
+def _input_qparams(layers, state):
+    """Input qparams per layer; SmoothQuant layers quantize x / s, computed from the channel ranges
+    (the second dict: layer key -> s)."""
+    x_qp, smooth = {}, {}
+    for L in layers:
+        o_in = state.qparams[L.key]["in"]
+        if isinstance(o_in, PerChannelMinMaxObserver):
+            s = smoothquant_scales(o_in.min_val, o_in.max_val, L.w, L.qconfig.smoothquant_alpha)
+            probe = L.qconfig.activation()
+            mm = MinMaxObserver(dtype=probe.dtype, qscheme=probe.qscheme, reduce_range=probe.reduce_range)
+            mm(torch.stack([(o_in.min_val / s).min(), (o_in.max_val / s).max()]))
+            x_qp[L.key], smooth[L.key] = _qp(mm), s
+        else:
+            x_qp[L.key] = _qp(o_in)
+    return x_qp, smooth
+
+
+def _sqnr_db(y: torch.Tensor, ref: torch.Tensor) -> float:
+    noise = (y.double() - ref.double()).pow(2).sum().item()
+    signal = ref.double().pow(2).sum().item()
+    if noise == 0:
+        return float("inf")
+    return 10 * math.log10(max(signal, 1e-300) / noise)
+
+
+def layer_sensitivity(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8State, flat_in) -> list[dict]:
+    """Each calibrated layer's own int8 error on these inputs, worst first: the layer's fp32 output
+    against the same layer with only its input and weights quantized the way its kernel quantizes
+    them (same scales, the same activation clamp), as SQNR in dB. ``gm`` is the fp32 graph after
+    the fp32 passes (what :func:`quantize_graph` sees)."""
+    import torch.nn.functional as F
+
+    layers, _ = find_layers(gm, model, state.mapping)
+    layers = [L for L in layers if L.key in state.qparams]
+    x_qp, smooth = _input_qparams(layers, state)
+    want = {L.x for L in layers}
+    seen: dict = {}
+
+    class _Record(torch.fx.Interpreter):
+        def run_node(self, n):
+            v = super().run_node(n)
+            if n in want:
+                seen[n] = v
+            return v
+
+    with torch.no_grad():
+        _Record(gm).run(*[t.clone() for t in flat_in])
+        out = []
+        for L in layers:
+            x = seen.get(L.x)
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                continue
+            w = L.w.detach().float()
+            run = (lambda a, wt: F.linear(a, wt, L.b)) if L.kind == "linear" else \
+                (lambda a, wt: F.conv2d(a, wt, L.b, **L.conv))
+            ref = run(x.float(), w)
+            xs, wm = x.float(), w
+            if L.key in smooth:
+                xs, wm = xs / smooth[L.key], w * smooth[L.key][None, :]
+            wq, ws = _weight_qparams(L.qconfig, wm)
+            wd = wq.float() * ws.reshape((-1,) + (1,) * (w.dim() - 1))
+            y = run(K.quantize_input(xs, *x_qp[L.key]).dequantize(), wd)
+            out.append({"key": L.key, "layer": L.name, "node": L.node.name, "sqnr_db": _sqnr_db(y, ref)})
+    return sorted(out, key=lambda r: r["sqnr_db"])
+
+
 def _qp(o) -> tuple[float, int]:
     s, z = o.calculate_qparams()
     return float(s.reshape(-1)[0]), int(z.reshape(-1)[0])
@@ -246,6 +314,9 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
     from .api import choose_family
 
     layers, skipped = find_layers(gm, model, state.mapping)
+    if state.fp32_keys:   # kept in fp32 by validation (their own error was the largest)
+        skipped += [(L.node.name, state.fp32_keys[L.key]) for L in layers if L.key in state.fp32_keys]
+        layers = [L for L in layers if L.key not in state.fp32_keys]
     state.skipped = skipped
     if not layers:
         import warnings
@@ -262,18 +333,7 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
     missing = [L.name for L in layers if L.key not in state.qparams]
     if missing:
         raise RuntimeError(f"int8: layers {missing} are new in this graph (not calibrated)")
-    # input qparams per layer (SmoothQuant layers quantize x / s: computed from the channel ranges)
-    x_qp, smooth = {}, {}
-    for L in layers:
-        o_in = state.qparams[L.key]["in"]
-        if isinstance(o_in, PerChannelMinMaxObserver):
-            s = smoothquant_scales(o_in.min_val, o_in.max_val, L.w, L.qconfig.smoothquant_alpha)
-            probe = L.qconfig.activation()
-            mm = MinMaxObserver(dtype=probe.dtype, qscheme=probe.qscheme, reduce_range=probe.reduce_range)
-            mm(torch.stack([(o_in.min_val / s).min(), (o_in.max_val / s).max()]))
-            x_qp[L.key], smooth[L.key] = _qp(mm), s
-        else:
-            x_qp[L.key] = _qp(o_in)
+    x_qp, smooth = _input_qparams(layers, state)
     by_input: dict = {}
     by_other: dict = {}
     for L in layers:

@@ -363,6 +363,41 @@ class OptimizedModule(torch.nn.Module):
             print(f"  validation against eager: {r['validation']}")
 
 
+def _narrow_int8(model, example_inputs, ref, flat_in, out_dtypes, leaves, options, state, res):
+    """int8 outputs too far from fp32 (below ``INT8_MIN_COSINE``): keep in fp32 the layers whose own
+    int8 error is largest (:func:`cpu_opt.quant.graph.layer_sensitivity` on the example), 1, 2, 4 ...
+    of them, worst first, until the model passes; ``(module, result)``, or ``None`` when even all but
+    one layer in fp32 does not pass (the caller then runs the whole model in fp32)."""
+    from ..quant.graph import layer_sensitivity
+    from .passes import run_passes
+
+    st = options["int8"][1]
+    cap = capture(model, example_inputs, eager_output=ref)
+    state.restore()
+    run_passes(cap.gm)  # the fp32 graph quantize_graph sees (BatchNorm folded)
+    sens = layer_sensitivity(cap.gm, options["int8"][0], st, flat_in)
+    state.restore()
+    k = 1
+    while k < len(sens):
+        st.fp32_keys = {r["key"]: (f"{r['layer']}: kept in fp32 by validation (its own int8 error, "
+                                   f"{r['sqnr_db']:.1f} dB SQNR on the example, is among the {k} largest; all in "
+                                   f"int8 the outputs' cosine to fp32 was {res['min_cosine']:.3f})") for r in sens[:k]}
+        st.layers_report = []
+        cap2 = capture(model, example_inputs, eager_output=ref)
+        state.restore()
+        plan2 = build_plan(cap2.gm, flat_in, "int8", out_dtypes, False, Progress(False, 4, ""),
+                           exclude=options.get("exclude"), int8=options["int8"])
+        state.restore()
+        res2 = _compare(pytree.tree_unflatten(list(plan2.first_output), cap2.out_spec), ref, "int8")
+        if res2["ok"]:
+            kept = [{"layer": r["layer"], "node": r["node"], "sqnr_db": r["sqnr_db"]} for r in sens[:k]]
+            return (OptimizedModule(model, cap2, plan2, "int8", leaves, options),
+                    dict(res2, int8_layers_in_fp32=kept, first_try=res))
+        k *= 2
+    st.fp32_keys, st.layers_report = {}, []
+    return None
+
+
 def _compare(out, ref, dtype: str) -> dict:
     a = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     b = [t for t in pytree.tree_leaves(ref) if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -618,6 +653,10 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
                     opt = OptimizedModule(model, cap2, plan2, dt, leaves, options)
                     res = dict(res2, narrowed=bad, first_try=res)
                     options["exclude"] = exclude
+        if not res["ok"] and dt == "int8":
+            narrowed = _narrow_int8(model, example_inputs, ref, flat_in, out_dtypes, leaves, options, state, res)
+            if narrowed is not None:
+                opt, res = narrowed
         if not res["ok"]:
             # never silently wrong: rebuild without oneDNN and say so; an int8 plan that is this far
             # off (below INT8_MIN_COSINE) is not int8 noise: the model runs in fp32, in torch
