@@ -140,3 +140,39 @@ def test_disagreement_with_eager_runs_the_model_eagerly(monkeypatch):
     r = opt.report()
     assert r["num_partitions"] == 0 and not r["validation"]["example"]["ok"]
     assert any("runs in eager PyTorch" in n for n in r["capture_notes"])
+
+
+def test_a_transformers_model_behind_a_data_dependent_branch(partition_calls):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, vocab_size=1000)
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert, self.head = transformers.BertModel(cfg), nn.Linear(64, 3)
+
+        def forward(self, input_ids, attention_mask):
+            h = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            if h[:, 0].norm() > 5:  # a data-dependent early decision on the encoder's output
+                return self.head(h[:, 0])
+            return self.head(h.mean(1))
+
+    m = Gate().eval()
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 12:] = 0
+    inp = {"input_ids": torch.randint(0, 1000, (2, 16)), "attention_mask": mask}
+    opt = cpu_opt.optimize(m, inp, dtype="fp32")
+    assert isinstance(opt, DynamoModule)
+    with torch.no_grad():
+        for i in (inp, {"input_ids": torch.randint(0, 1000, (1, 24)), "attention_mask": torch.ones(1, 24, dtype=torch.long)}):
+            partition_calls.clear()
+            out = opt(**i)
+            assert _close(out, m(**i))
+            if onednn_graph_used():
+                assert partition_calls
+    r = opt.report()
+    assert r["graph_breaks"] and all(g["error"] is None for g in r["graphs"])
+    if onednn_graph_used():
+        assert r["graphs"][0]["num_partitions"] > 0  # the encoder, before the branch, was optimized
