@@ -75,6 +75,43 @@ def torch_sample(rowptr, col, seeds, fanouts, gen):
     return torch.cat(node), torch.cat(rows), torch.cat(cols), torch.cat(edges)
 
 
+def _torch_sparse_sampler():
+    """``(True, note)`` when torch-sparse's sampler op (``torch.ops.torch_sparse.neighbor_sample``,
+    what PyG's NeighborLoader calls without pyg-lib) is loadable, else ``(None, why)``. torch-sparse
+    has no wheel for torch 2.13: build it once, outside the venv, e.g. ``pip install --no-deps
+    --no-build-isolation --target DIR torch-sparse==0.6.18`` (about 15-40 min on 2 cores) and run the
+    bench with ``PYTHONPATH=DIR``. Its Python package also needs torch-scatter; without it the op's
+    own library is loaded alone (the sampler does not use torch-scatter)."""
+    import importlib.util
+    import os.path as osp
+
+    try:
+        import torch_sparse
+
+        return True, f"torch_sparse {torch_sparse.__version__}"
+    except ImportError as e:
+        spec = importlib.util.find_spec("torch_sparse")
+        if spec is None or spec.origin is None:
+            return None, ("not installed: no wheel for torch 2.13 on PyPI; builds from source in about 15 min "
+                          "(pip install --no-build-isolation torch-sparse); not measured")
+        why = str(e)
+    here = osp.dirname(spec.origin)
+    try:
+        for lib in ("_version_cpu", "_neighbor_sample_cpu"):
+            found = importlib.machinery.PathFinder().find_spec(lib, [here])
+            torch.ops.load_library(found.origin)
+        torch.ops.torch_sparse.neighbor_sample  # noqa: B018 - the op is there
+    except Exception as e2:  # noqa: BLE001
+        return None, f"torch_sparse at {here} does not load ({why}; its sampler library alone: {e2}); not measured"
+    version = "?"
+    try:
+        version = open(osp.join(here, "__init__.py")).read().split("__version__ = ")[1].split("\n")[0].strip("'\"")
+    except (OSError, IndexError):
+        pass
+    return True, (f"torch_sparse {version}, built from source here; its sampler op library loaded alone (the "
+                  f"package's __init__ needs torch_scatter: {why})")
+
+
 def main(quick: bool = False, argv=None):
     p = argparse.ArgumentParser(prog="python -m bench gnn_sampling")
     p.add_argument("--threads", default="1,2")
@@ -87,13 +124,7 @@ def main(quick: bool = False, argv=None):
     n_batches = args.batches or (2 if quick else 4)
     fanouts, batch = [15, 10, 5], 1024
     repeats, max_s = (3, 10.0) if quick else (7, 60.0)
-    try:
-        import torch_sparse  # noqa: F401
-        tsp_note = f"torch_sparse {torch_sparse.__version__}"
-    except ImportError:
-        torch_sparse = None
-        tsp_note = ("not installed: no wheel for torch 2.13 on PyPI; builds from source in about 15 min "
-                    "(pip install --no-build-isolation torch-sparse); not measured")
+    torch_sparse, tsp_note = _torch_sparse_sampler()
     rep = Report("gnn_sampling" + ("_quick" if quick else ""), nodes=n, edges=e, fanouts=fanouts, batch_size=batch,
                  batches_per_call=n_batches, graph="R-MAT a=0.57 b=0.19 c=0.19, seed 0, sampled over the CSC "
                  "(sources of each target), like PyG", torch_sparse=tsp_note, pyg_lib="not installed (no CPU wheel)")

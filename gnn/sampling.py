@@ -315,7 +315,11 @@ def install_sampler() -> bool:
             lib.define(_PYG_HETERO_SCHEMA)
             lib.impl("hetero_neighbor_sample", _hetero_not_implemented, "CompositeExplicitAutograd")
             flags = dict(_SAMPLER_FLAGS)
-            if not tg_typing.WITH_TORCH_SPARSE:
+            if not tg_typing.WITH_TORCH_SPARSE and _op_defined("torch_sparse", "neighbor_sample"):
+                # torch-sparse's own op library is loaded though PyG could not import the package
+                # (it needs torch-scatter): PyG may call that op; defining ours again would fail
+                flags["WITH_TORCH_SPARSE"] = True
+            elif not tg_typing.WITH_TORCH_SPARSE:
                 ts = torch.library.Library("torch_sparse", "FRAGMENT")
                 inst.libraries.append(ts)
                 ts.define(_TS_SCHEMA)
@@ -333,6 +337,18 @@ def install_sampler() -> bool:
             raise
         _installed = inst
         return True
+
+
+def _op_defined(namespace: str, name: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel(f"{namespace}::{name}") or \
+            any(s.name == f"{namespace}::{name}" for s in torch._C._jit_get_all_schemas())
+    except Exception:  # noqa: BLE001 - private API moved: ask the ops namespace instead
+        try:
+            getattr(getattr(torch.ops, namespace), name)
+            return True
+        except (AttributeError, RuntimeError):
+            return False
 
 
 def _undo(inst: _Installation) -> None:

@@ -492,3 +492,24 @@ def test_neighbor_loader_spawned_workers(pyg_sampler):
     assert len(batches) == 2
     for b in batches:
         _check_batch(data, b, [3])
+
+
+def test_install_uses_a_torch_sparse_sampler_op_that_is_already_loaded():
+    """torch-sparse's op library can be loaded while PyG could not import the package (it needs
+    torch-scatter): install_sampler must not define the op again (a RuntimeError), and PyG may call it."""
+    import torch_geometric.sampler.neighbor_sampler as ns
+
+    from cpu_opt.gnn import sampling
+
+    gnn.uninstall_sampler()
+    lib = torch.library.Library("torch_sparse", "FRAGMENT")
+    try:
+        lib.define(sampling._TS_SCHEMA)
+        lib.impl("neighbor_sample", sampling._torch_sparse_neighbor_sample, "CompositeExplicitAutograd")
+        assert gnn.install_sampler() is True
+        assert ns.torch_geometric.typing.WITH_TORCH_SPARSE is True
+        gnn.uninstall_sampler()
+    finally:
+        gnn.uninstall_sampler()
+        lib._destroy()
+    assert not sampling._op_defined("torch_sparse", "neighbor_sample")
