@@ -11,6 +11,9 @@ Backward formulas, each built from the cpu_opt ops themselves so ``torch.compile
   saved winners; prod: torch's own formula (zeros handled), in cpu_opt ops.
   d(base) as torch defines it for include_self True / False.
 * ``gather``: dsrc = index_add(g, index), by sorted segments.
+* attention (``gat_attention``, ``gatv2_attention``, ``transformer_attention``): one backward op each
+  (native/kernels/attention.c: the SDDMM and softmax backward over target rows, the source-side
+  gradients gathered over the cached CSC transpose), from the alpha the forward saved.
 Double backward is not provided.
 """
 from __future__ import annotations
@@ -163,3 +166,42 @@ def _gather_backward(ctx, grad_out):
 
 
 ops.gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+# ---------------------------------------------------------------------------- attention
+# Inputs of each op: (rowptr, col, colptr, row_t, perm_t, <node tensors...>, mask, scalar); outputs
+# (out, alpha). alpha is not differentiable; the mask (dropout multipliers) is a constant.
+
+_GRAPH_INPUTS = 5
+
+
+def _attention_setup(n_nodes: int):
+    def setup(ctx, inputs, output):
+        ctx.set_materialize_grads(False)  # alpha gets no gradient
+        ctx.scalar = inputs[_GRAPH_INPUTS + n_nodes + 1]
+        ctx.save_for_backward(*inputs[:_GRAPH_INPUTS + n_nodes + 1], output[1])
+    return setup
+
+
+def _attention_backward(backward_op, n_nodes: int):
+    def backward(ctx, grad_out, _grad_alpha):
+        n_in = _GRAPH_INPUTS + n_nodes + 2
+        if grad_out is None:
+            return (None,) * n_in
+        saved = ctx.saved_tensors
+        graph, nodes, mask, alpha = (saved[:_GRAPH_INPUTS], saved[_GRAPH_INPUTS:_GRAPH_INPUTS + n_nodes],
+                                     saved[_GRAPH_INPUTS + n_nodes], saved[-1])
+        needs = [bool(ctx.needs_input_grad[_GRAPH_INPUTS + i]) and nodes[i] is not None for i in range(n_nodes)]
+        grads = backward_op(*graph, *nodes, mask, ctx.scalar, alpha, grad_out.contiguous(), needs)
+        return (None,) * _GRAPH_INPUTS + tuple(g if want else None for g, want in zip(grads, needs)) + (None, None)
+    return backward
+
+
+ops.gat_attention_op.register_autograd(
+    _attention_backward(lambda *a: torch.ops.cpu_opt.gat_attention_backward(*a), 4), setup_context=_attention_setup(4))
+ops.gatv2_attention_op.register_autograd(
+    _attention_backward(lambda *a: torch.ops.cpu_opt.gatv2_attention_backward(*a), 3),
+    setup_context=_attention_setup(3))
+ops.transformer_attention_op.register_autograd(
+    _attention_backward(lambda *a: torch.ops.cpu_opt.transformer_attention_backward(*a), 3),
+    setup_context=_attention_setup(3))

@@ -523,3 +523,216 @@ def neighbor_sample(rowptr, col, seeds, fanouts: list, *, replace: bool, directe
     node, batch, row, colo, edge = (_take_owned(o[0], n) for o, n in zip(outs, (n_out, n_out, e_out, e_out, e_out)))
     return (node, batch if disjoint else None, row, colo, edge, [nph[h] for h in range(n_hops + 1)],
             [eph[h] for h in range(n_hops)])
+
+
+# ----------------------------------------------------------------------------- attention
+
+# the arrays the attention kernels name in bad[1] (native/kernels/attention.c)
+_ATT_ARGS = ("rowptr", "col", "colptr", "row_t", "perm")
+
+
+def _att_csr(rowptr, col):
+    rowptr = _check_rowptr(rowptr)
+    col = _idx(col, "col")
+    if int(rowptr[-1]) != col.numel():
+        raise ValueError(f"rowptr[-1] = {int(rowptr[-1])} must equal the number of edges col.numel() = {col.numel()}")
+    return rowptr, col
+
+
+def _att_csc(colptr, row_t, perm, n_src: int, nnz: int):
+    colptr = check_tensor(colptr, "colptr", dtypes=(torch.int64,), dim=1).contiguous()
+    row_t = _idx(row_t, "row_t").to(torch.int64)
+    perm = check_tensor(perm, "perm", dtypes=(torch.int64,), dim=1).contiguous()
+    if colptr.numel() != n_src + 1:
+        raise ValueError(f"colptr must have one entry per source node plus one ({n_src + 1}), got {colptr.numel()}")
+    if row_t.numel() != nnz or perm.numel() != nnz:
+        raise ValueError(f"row_t and perm must have one entry per edge ({nnz}), got {row_t.numel()} and {perm.numel()}")
+    return colptr, row_t, perm
+
+
+def _att_nodes(t, name: str, rows: int, H: int, C: int, dtype):
+    """A (rows, H, C) node tensor of the feature dtype ``dtype``, contiguous."""
+    t = _feat(t, name, dim=3)
+    if tuple(t.shape) != (rows, H, C):
+        raise ValueError(f"{name} must have shape (num_nodes, heads, channels) = {(rows, H, C)}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} dtype {t.dtype} must match the features' dtype {dtype}")
+    return t
+
+
+def _att_per_head(t, name: str, rows: int, H: int, dtype, *, optional: bool = False):
+    """A (rows, H) tensor (per node or per edge and head), or None when optional."""
+    if t is None and optional:
+        return None
+    t = _feat(t, name, dim=2)
+    if tuple(t.shape) != (rows, H):
+        raise ValueError(f"{name} must have shape {(rows, H)}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} dtype {t.dtype} must match the features' dtype {dtype}")
+    return t
+
+
+def _att_features(t, name: str):
+    t = _feat(t, name, dim=3)
+    if t.shape[1] < 1 or t.shape[2] < 1:
+        raise ValueError(f"{name} must have at least one head and one channel, got shape {tuple(t.shape)}")
+    return t
+
+
+def _att_raise(kernel: str, st: int, bad, sizes: dict, tensors: dict):
+    """The kernel's status as an exception naming the array (sizes: the bound of each index array)."""
+    if st == 0:
+        return
+    which = _ATT_ARGS[bad[1]] if 0 <= bad[1] < len(_ATT_ARGS) else "?"
+    pos = bad[0]
+    t = tensors.get(which)
+    val = int(t[pos]) if t is not None and 0 <= pos < t.numel() else "?"
+    if st == -1:
+        raise IndexError(f"{kernel}: {which}[{pos}] = {val} is out of range [0, {sizes.get(which, '?')})")
+    if st == -3:
+        raise ValueError(f"{kernel}: {which} must start at 0, never decrease and end at the number of edges; "
+                         f"{which}[{pos}] = {val} breaks that")
+    if st == -5:
+        raise MemoryError(f"{kernel}: out of memory for the kernel's scratch")
+    native.check(st, kernel)
+
+
+def _att_forward(kind: str, rowptr, col, n_src: int, H: int, C: int, dtype, tensors: list, mask, scalar):
+    """Calls ``<kind>_forward``: returns (out, alpha)."""
+    n_dst = rowptr.numel() - 1
+    nnz = col.numel()
+    mask = _att_per_head(mask, "mask", nnz, H, dtype, optional=True)
+    dt, ct = FEATURE_DTYPES[dtype]
+    isuf, ict = INDEX_DTYPES[col.dtype]
+    out = native.empty(n_dst, H, C, dtype=dtype)
+    alpha = native.empty(nnz, H, dtype=dtype)
+    bad = native.ffi().new("int64_t[2]", [-1, -1])
+    st = _fn(f"{kind}_forward_{dt}_{isuf}")(_p(rowptr, "int64_t *"), n_dst, _p(col, ict), n_src, H, C,
+                                           *[_p(t, ct) for t in tensors], _p(mask, ct), float(scalar),
+                                           _p(out, ct), _p(alpha, ct), _nthreads(), bad)
+    _att_raise(f"{kind}_forward", st, bad, {"col": n_src}, {"rowptr": rowptr, "col": col})
+    return out, alpha
+
+
+def _att_backward(kind: str, rowptr, col, colptr, row_t, perm, n_src: int, H: int, C: int, dtype, tensors: list,
+                  mask, scalar, alpha, g, grads: list):
+    """Calls ``<kind>_backward`` with the gradient buffers ``grads`` (None: not wanted)."""
+    n_dst = rowptr.numel() - 1
+    nnz = col.numel()
+    colptr, row_t, perm = _att_csc(colptr, row_t, perm, n_src, nnz)
+    mask = _att_per_head(mask, "mask", nnz, H, dtype, optional=True)
+    alpha = _att_per_head(alpha, "alpha", nnz, H, dtype)
+    g = _att_nodes(g, "grad_out", n_dst, H, C, dtype)
+    dt, ct = FEATURE_DTYPES[dtype]
+    isuf, ict = INDEX_DTYPES[col.dtype]
+    bad = native.ffi().new("int64_t[2]", [-1, -1])
+    st = _fn(f"{kind}_backward_{dt}_{isuf}")(
+        _p(rowptr, "int64_t *"), n_dst, _p(col, ict), _p(colptr, "int64_t *"), _p(row_t, "int64_t *"),
+        _p(perm, "int64_t *"), n_src, H, C, *[_p(t, ct) for t in tensors], _p(mask, ct), float(scalar),
+        _p(alpha, ct), _p(g, ct), *[_p(t, ct) for t in grads], _nthreads(), bad)
+    _att_raise(f"{kind}_backward", st, bad, {"col": n_src, "row_t": n_dst, "perm": nnz},
+               {"rowptr": rowptr, "col": col, "colptr": colptr, "row_t": row_t, "perm": perm})
+    return grads
+
+
+def _slope(negative_slope) -> float:
+    if isinstance(negative_slope, bool) or not isinstance(negative_slope, (int, float)):
+        raise TypeError(f"negative_slope must be a float, got {type(negative_slope).__name__}")
+    return float(negative_slope)
+
+
+def _maybe(want: bool, shape, dtype):
+    return native.empty(*shape, dtype=dtype) if want else None
+
+
+def gat_forward(rowptr, col, x, a_src, a_dst, a_edge=None, mask=None, negative_slope: float = 0.2):
+    """GATConv's attention and aggregation (native/kernels/attention.c): ``x`` (n_src, H, C) source
+    features, ``a_src`` (n_src, H) / ``a_dst`` (n_dst, H) the per-node logits, ``a_edge`` (E, H) an
+    optional per-edge logit, ``mask`` (E, H) optional dropout multipliers; all edge tensors in CSR
+    order. Returns ``(out (n_dst, H, C), alpha (E, H))``."""
+    rowptr, col = _att_csr(rowptr, col)
+    x = _att_features(x, "x")
+    n_src, H, C = x.shape
+    n_dst, nnz = rowptr.numel() - 1, col.numel()
+    a_src = _att_per_head(a_src, "a_src", n_src, H, x.dtype)
+    a_dst = _att_per_head(a_dst, "a_dst", n_dst, H, x.dtype)
+    a_edge = _att_per_head(a_edge, "a_edge", nnz, H, x.dtype, optional=True)
+    return _att_forward("gat", rowptr, col, n_src, H, C, x.dtype, [x, a_src, a_dst, a_edge], mask,
+                        _slope(negative_slope))
+
+
+def gat_backward(rowptr, col, colptr, row_t, perm, x, a_src, a_dst, a_edge, mask, negative_slope, alpha, g,
+                 needs=(True, True, True, True)):
+    """Gradients of :func:`gat_forward` wrt (x, a_src, a_dst, a_edge), None where ``needs`` is False."""
+    rowptr, col = _att_csr(rowptr, col)
+    x = _att_features(x, "x")
+    n_src, H, C = x.shape
+    n_dst, nnz = rowptr.numel() - 1, col.numel()
+    a_src = _att_per_head(a_src, "a_src", n_src, H, x.dtype)
+    a_dst = _att_per_head(a_dst, "a_dst", n_dst, H, x.dtype)
+    a_edge = _att_per_head(a_edge, "a_edge", nnz, H, x.dtype, optional=True)
+    grads = [_maybe(needs[0], (n_src, H, C), x.dtype), _maybe(needs[1], (n_src, H), x.dtype),
+             _maybe(needs[2], (n_dst, H), x.dtype), _maybe(needs[3] and a_edge is not None, (nnz, H), x.dtype)]
+    return _att_backward("gat", rowptr, col, colptr, row_t, perm, n_src, H, C, x.dtype, [x, a_src, a_dst, a_edge],
+                         mask, _slope(negative_slope), alpha, g, grads)
+
+
+def _gatv2_args(rowptr, col, x_l, x_r, att):
+    rowptr, col = _att_csr(rowptr, col)
+    x_l = _att_features(x_l, "x_l")
+    n_src, H, C = x_l.shape
+    x_r = _att_nodes(x_r, "x_r", rowptr.numel() - 1, H, C, x_l.dtype)
+    check_tensor(att, "att", dtypes=tuple(FEATURE_DTYPES))
+    if att.numel() != H * C or att.dtype != x_l.dtype:
+        raise ValueError(f"att must hold heads x channels = {H} x {C} values of dtype {x_l.dtype}, "
+                         f"got shape {tuple(att.shape)} {att.dtype}")
+    return rowptr, col, x_l, x_r, att.contiguous().reshape(H, C)
+
+
+def gatv2_forward(rowptr, col, x_l, x_r, att, mask=None, negative_slope: float = 0.2):
+    """GATv2Conv's attention and aggregation: ``x_l`` (n_src, H, C) source features (also the
+    messages), ``x_r`` (n_dst, H, C) target features, ``att`` (H, C). Returns ``(out, alpha)``."""
+    rowptr, col, x_l, x_r, att = _gatv2_args(rowptr, col, x_l, x_r, att)
+    n_src, H, C = x_l.shape
+    return _att_forward("gatv2", rowptr, col, n_src, H, C, x_l.dtype, [x_l, x_r, att], mask, _slope(negative_slope))
+
+
+def gatv2_backward(rowptr, col, colptr, row_t, perm, x_l, x_r, att, mask, negative_slope, alpha, g,
+                   needs=(True, True, True)):
+    """Gradients of :func:`gatv2_forward` wrt (x_l, x_r, att), None where ``needs`` is False."""
+    rowptr, col, x_l, x_r, att = _gatv2_args(rowptr, col, x_l, x_r, att)
+    n_src, H, C = x_l.shape
+    grads = [_maybe(needs[0], (n_src, H, C), x_l.dtype), _maybe(needs[1], tuple(x_r.shape), x_l.dtype),
+             _maybe(needs[2], (H, C), x_l.dtype)]
+    return _att_backward("gatv2", rowptr, col, colptr, row_t, perm, n_src, H, C, x_l.dtype, [x_l, x_r, att], mask,
+                         _slope(negative_slope), alpha, g, grads)
+
+
+def _transformer_args(rowptr, col, q, k, v, score_div):
+    rowptr, col = _att_csr(rowptr, col)
+    v = _att_features(v, "v")
+    n_src, H, C = v.shape
+    k = _att_nodes(k, "k", n_src, H, C, v.dtype)
+    q = _att_nodes(q, "q", rowptr.numel() - 1, H, C, v.dtype)
+    if isinstance(score_div, bool) or not isinstance(score_div, (int, float)) or not score_div > 0:
+        raise ValueError(f"score_div must be a positive float, got {score_div!r}")
+    return rowptr, col, q, k, v, float(score_div)
+
+
+def transformer_forward(rowptr, col, q, k, v, mask=None, score_div: float = 1.0):
+    """TransformerConv's attention and aggregation: ``q`` (n_dst, H, C), ``k`` and ``v`` (n_src, H, C),
+    scores ``<q_i, k_j> / score_div``. Returns ``(out, alpha)``."""
+    rowptr, col, q, k, v, score_div = _transformer_args(rowptr, col, q, k, v, score_div)
+    n_src, H, C = v.shape
+    return _att_forward("transformer", rowptr, col, n_src, H, C, v.dtype, [q, k, v], mask, score_div)
+
+
+def transformer_backward(rowptr, col, colptr, row_t, perm, q, k, v, mask, score_div, alpha, g,
+                         needs=(True, True, True)):
+    """Gradients of :func:`transformer_forward` wrt (q, k, v), None where ``needs`` is False."""
+    rowptr, col, q, k, v, score_div = _transformer_args(rowptr, col, q, k, v, score_div)
+    n_src, H, C = v.shape
+    grads = [_maybe(needs[0], tuple(q.shape), v.dtype), _maybe(needs[1], (n_src, H, C), v.dtype),
+             _maybe(needs[2], (n_src, H, C), v.dtype)]
+    return _att_backward("transformer", rowptr, col, colptr, row_t, perm, n_src, H, C, v.dtype, [q, k, v], mask,
+                         score_div, alpha, g, grads)

@@ -18,16 +18,23 @@ op                          computes                                            
 ``cpu_opt::mask_gather``    max/min spmm backward for x from the winner bit mask          no
 ``cpu_opt::mask_weight_grad`` max/min spmm backward for edge weights from the bit mask    no
 ``cpu_opt::index_add``      sum of rows by a 1-D index (gather's backward)                no
+``cpu_opt::gat_attention``  GATConv: leaky_relu(a_src + a_dst (+ a_edge)) scores, softmax x, a_src,
+                            per target, dropout mask, weighted sum of x (H heads)        a_dst, a_edge
+``cpu_opt::gatv2_attention`` GATv2Conv: att . leaky_relu(x_l[j] + x_r[i]) scores, ...     x_l, x_r, att
+``cpu_opt::transformer_attention`` TransformerConv: <q_i, k_j> / sqrt(C) scores, ... v    q, k, v
+``cpu_opt::*_attention_backward`` their backward (SDDMM, softmax backward, CSC gathers)   no
 ==========================  ===========================================================  ========
 
 Feature dtypes float32, bfloat16 (accumulated in float32, rounded to nearest even) and float64
 (its own kernels, accumulated in double: gradcheck runs on those). Index dtypes int64 and int32.
 
 Public functions (what users call): :func:`spmm`, :func:`scatter_reduce`, :func:`scatter`,
-:func:`gather` / :func:`index_select`.
+:func:`gather` / :func:`index_select`, :func:`gat_attention`, :func:`gatv2_attention`,
+:func:`transformer_attention`.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -203,6 +210,100 @@ def _(src, index, dim_size, reduce, base, include_self):
             src.new_empty(dim_size, dtype=torch.int64), src.new_empty(index.shape[0], dtype=torch.int64))
 
 
+# ---------------------------------------------------------------------------- attention
+# Node tensors are (num_nodes, H, C); per-head tensors (num_nodes or E, H); edge tensors in the CSR
+# order of the graph. Each op returns (out (n_dst, H, C), alpha (E, H): the softmax before dropout).
+# (colptr, row_t, perm_t) is the graph's cached CSC transpose, used by backward.
+
+
+def _unwanted(t: Optional[Tensor], like: Tensor) -> Tensor:
+    """A gradient the caller did not ask for, as an empty tensor (custom ops return no None)."""
+    return t if t is not None else like.new_empty(0)
+
+
+@torch.library.custom_op("cpu_opt::gat_attention", mutates_args=())
+def gat_attention_op(rowptr: Tensor, col: Tensor, colptr: Tensor, row_t: Tensor, perm_t: Tensor, x: Tensor,
+                     a_src: Tensor, a_dst: Tensor, a_edge: Optional[Tensor], mask: Optional[Tensor],
+                     negative_slope: float) -> tuple[Tensor, Tensor]:
+    return K.gat_forward(rowptr, col, x, a_src, a_dst, a_edge, mask, negative_slope)
+
+
+@gat_attention_op.register_fake
+def _(rowptr, col, colptr, row_t, perm_t, x, a_src, a_dst, a_edge, mask, negative_slope):
+    return x.new_empty(rowptr.shape[0] - 1, x.shape[1], x.shape[2]), x.new_empty(col.shape[0], x.shape[1])
+
+
+@torch.library.custom_op("cpu_opt::gat_attention_backward", mutates_args=())
+def gat_attention_backward_op(rowptr: Tensor, col: Tensor, colptr: Tensor, row_t: Tensor, perm_t: Tensor, x: Tensor,
+                              a_src: Tensor, a_dst: Tensor, a_edge: Optional[Tensor], mask: Optional[Tensor],
+                              negative_slope: float, alpha: Tensor, grad_out: Tensor,
+                              needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients wrt (x, a_src, a_dst, a_edge); an empty tensor where ``needs`` is False."""
+    grads = K.gat_backward(rowptr, col, colptr, row_t, perm_t, x, a_src, a_dst, a_edge, mask, negative_slope,
+                           alpha, grad_out, needs)
+    return tuple(_unwanted(g, x) for g in grads)
+
+
+@gat_attention_backward_op.register_fake
+def _(rowptr, col, colptr, row_t, perm_t, x, a_src, a_dst, a_edge, mask, negative_slope, alpha, grad_out, needs):
+    shapes = (x.shape, a_src.shape, a_dst.shape, (col.shape[0], x.shape[1]))
+    return tuple(x.new_empty(s if want and (i < 3 or a_edge is not None) else (0,))
+                 for i, (s, want) in enumerate(zip(shapes, needs)))
+
+
+@torch.library.custom_op("cpu_opt::gatv2_attention", mutates_args=())
+def gatv2_attention_op(rowptr: Tensor, col: Tensor, colptr: Tensor, row_t: Tensor, perm_t: Tensor, x_l: Tensor,
+                       x_r: Tensor, att: Tensor, mask: Optional[Tensor], negative_slope: float) -> tuple[Tensor, Tensor]:
+    return K.gatv2_forward(rowptr, col, x_l, x_r, att, mask, negative_slope)
+
+
+@gatv2_attention_op.register_fake
+def _(rowptr, col, colptr, row_t, perm_t, x_l, x_r, att, mask, negative_slope):
+    return x_l.new_empty(rowptr.shape[0] - 1, x_l.shape[1], x_l.shape[2]), x_l.new_empty(col.shape[0], x_l.shape[1])
+
+
+@torch.library.custom_op("cpu_opt::gatv2_attention_backward", mutates_args=())
+def gatv2_attention_backward_op(rowptr: Tensor, col: Tensor, colptr: Tensor, row_t: Tensor, perm_t: Tensor,
+                                x_l: Tensor, x_r: Tensor, att: Tensor, mask: Optional[Tensor], negative_slope: float,
+                                alpha: Tensor, grad_out: Tensor, needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients wrt (x_l, x_r, att); an empty tensor where ``needs`` is False."""
+    gl, gr, ga = K.gatv2_backward(rowptr, col, colptr, row_t, perm_t, x_l, x_r, att, mask, negative_slope, alpha,
+                                  grad_out, needs)
+    return _unwanted(gl, x_l), _unwanted(gr, x_l), _unwanted(None if ga is None else ga.reshape(att.shape), x_l)
+
+
+@gatv2_attention_backward_op.register_fake
+def _(rowptr, col, colptr, row_t, perm_t, x_l, x_r, att, mask, negative_slope, alpha, grad_out, needs):
+    return tuple(x_l.new_empty(s if want else (0,)) for s, want in zip((x_l.shape, x_r.shape, att.shape), needs))
+
+
+@torch.library.custom_op("cpu_opt::transformer_attention", mutates_args=())
+def transformer_attention_op(rowptr: Tensor, col: Tensor, colptr: Tensor, row_t: Tensor, perm_t: Tensor, q: Tensor,
+                             k: Tensor, v: Tensor, mask: Optional[Tensor], score_div: float) -> tuple[Tensor, Tensor]:
+    return K.transformer_forward(rowptr, col, q, k, v, mask, score_div)
+
+
+@transformer_attention_op.register_fake
+def _(rowptr, col, colptr, row_t, perm_t, q, k, v, mask, score_div):
+    return v.new_empty(rowptr.shape[0] - 1, v.shape[1], v.shape[2]), v.new_empty(col.shape[0], v.shape[1])
+
+
+@torch.library.custom_op("cpu_opt::transformer_attention_backward", mutates_args=())
+def transformer_attention_backward_op(rowptr: Tensor, col: Tensor, colptr: Tensor, row_t: Tensor, perm_t: Tensor,
+                                      q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], score_div: float,
+                                      alpha: Tensor, grad_out: Tensor,
+                                      needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients wrt (q, k, v); an empty tensor where ``needs`` is False."""
+    grads = K.transformer_backward(rowptr, col, colptr, row_t, perm_t, q, k, v, mask, score_div, alpha, grad_out,
+                                   needs)
+    return tuple(_unwanted(g, v) for g in grads)
+
+
+@transformer_attention_backward_op.register_fake
+def _(rowptr, col, colptr, row_t, perm_t, q, k, v, mask, score_div, alpha, grad_out, needs):
+    return tuple(v.new_empty(s if want else (0,)) for s, want in zip((q.shape, k.shape, v.shape), needs))
+
+
 # ============================================================================ public API
 
 
@@ -339,3 +440,64 @@ def gather(src: Tensor, index: Tensor, out: Optional[Tensor] = None) -> Tensor:
 
 
 index_select = gather
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+def _attention_graph(adj) -> CSRGraph:
+    if isinstance(adj, CSRGraph):
+        return adj
+    if isinstance(adj, torch.Tensor) and adj.layout == torch.sparse_csr:
+        return torch_csr_registry.graph_for(adj)[0]
+    raise TypeError(f"adj must be a cpu_opt.gnn.CSRGraph or a torch sparse CSR tensor (targets x sources), got "
+                    f"{type(adj).__name__}{'' if not isinstance(adj, torch.Tensor) else ' ' + str(adj.layout)}")
+
+
+def _run_attention(name: str, adj, nodes: tuple, extra: tuple, return_alpha: bool, n_src: int):
+    """Calls ``cpu_opt::<name>`` over ``adj``: without the CSC transpose (and the dispatcher) when no
+    gradient can be wanted."""
+    g = _attention_graph(adj)
+    if g.n_cols != n_src:
+        raise ValueError(f"the source features must have adj.shape[1] = {g.n_cols} rows, got {n_src}")
+    wants_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in nodes)
+    if not wants_grad and not torch.compiler.is_compiling():
+        out, alpha = getattr(K, name.replace("_attention", "_forward"))(g.rowptr, g.col, *nodes, *extra)
+    else:
+        colptr, row_t, perm_t = g.csc()
+        out, alpha = getattr(torch.ops.cpu_opt, name)(g.rowptr, g.col, colptr, row_t, perm_t, *nodes, *extra)
+    return (out, alpha) if return_alpha else out
+
+
+def gat_attention(adj, x: Tensor, a_src: Tensor, a_dst: Tensor, *, negative_slope: float = 0.2,
+                  a_edge: Optional[Tensor] = None, mask: Optional[Tensor] = None, return_alpha: bool = False):
+    """GATConv's attention over the graph ``adj`` (a :class:`CSRGraph` or torch sparse CSR, targets x
+    sources): ``out[i, h] = sum_{j in adj[i]} alpha_ijh * mask_ijh * x[j, h]`` with ``alpha`` the softmax
+    over row i of ``leaky_relu(a_src[j, h] + a_dst[i, h] (+ a_edge[e, h]))`` (PyG's: max-subtracted,
+    1e-16 added to the sum). ``x`` (n_src, H, C), ``a_src`` (n_src, H), ``a_dst`` (n_dst, H); ``a_edge``
+    and ``mask`` (dropout multipliers) (E, H) in the graph's CSR order. Differentiable in x, a_src,
+    a_dst and a_edge; nothing of size E x H x C is made. ``return_alpha``: also return alpha (E, H,
+    before dropout, CSR order)."""
+    return _run_attention("gat_attention", adj, (x, a_src, a_dst, a_edge), (mask, float(negative_slope)),
+                          return_alpha, x.shape[0] if isinstance(x, Tensor) and x.dim() else -1)
+
+
+def gatv2_attention(adj, x_l: Tensor, x_r: Tensor, att: Tensor, *, negative_slope: float = 0.2,
+                    mask: Optional[Tensor] = None, return_alpha: bool = False):
+    """GATv2Conv's attention: scores ``sum_c att[h, c] * leaky_relu(x_l[j, h, c] + x_r[i, h, c])``,
+    computed in the kernel per edge (no E x H x C tensor), softmax per target row, messages
+    ``x_l[j]``. ``x_l`` (n_src, H, C), ``x_r`` (n_dst, H, C), ``att`` (H, C) (or (1, H, C)).
+    Differentiable in x_l, x_r and att."""
+    return _run_attention("gatv2_attention", adj, (x_l, x_r, att), (mask, float(negative_slope)), return_alpha,
+                          x_l.shape[0] if isinstance(x_l, Tensor) and x_l.dim() else -1)
+
+
+def transformer_attention(adj, q: Tensor, k: Tensor, v: Tensor, *, score_div: Optional[float] = None,
+                          mask: Optional[Tensor] = None, return_alpha: bool = False):
+    """TransformerConv's attention: scores ``<q[i, h], k[j, h]> / score_div`` (default ``sqrt(C)``),
+    softmax per target row, messages ``v[j]``. ``q`` (n_dst, H, C), ``k`` and ``v`` (n_src, H, C).
+    Differentiable in q, k and v."""
+    if score_div is None:
+        score_div = math.sqrt(v.shape[-1]) if isinstance(v, Tensor) and v.dim() == 3 else 1.0
+    return _run_attention("transformer_attention", adj, (q, k, v), (mask, float(score_div)), return_alpha,
+                          v.shape[0] if isinstance(v, Tensor) and v.dim() else -1)
