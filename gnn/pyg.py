@@ -13,6 +13,11 @@
   that maps to fewer channels than it takes applies that linear map *before* aggregating
   (``lin(aggr(x)) == aggr(x W^T) + b`` for sum and mean; DGL's SAGEConv does the same), so the
   sparse work runs on the narrower features. Results equal PyG's within float rounding;
+* GATConv, GATv2Conv and TransformerConv compute their projections in torch and their attention
+  (per-edge scores, softmax over each target's incoming edges, attention dropout, weighted sum over
+  heads) in one native kernel, forward and backward, without an E x H x C message tensor
+  (:func:`attention_layers`); self-loops and dropout exactly as PyG's layer (the dropout mask is
+  drawn by torch in PyG's edge order);
 * the model's Linear layers (torch's and PyG's) run on torch's own oneDNN 3.12
   (``mkldnn._linear_pointwise``, forward and input gradient) where the routing table sends fp32
   linear layers there (AVX2 machines): :func:`linear`.
@@ -351,6 +356,314 @@ def linear_first_layers(model: torch.nn.Module) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- attention layers
+
+_ATTENTION_WHY = "fused attention (scores, segment softmax, dropout, aggregation in one kernel)"
+# every hook dict of MessagePassing: a layer with any hook registered runs PyG's own forward
+_MP_HOOKS = ("_propagate_forward_pre_hooks", "_propagate_forward_hooks", "_message_forward_pre_hooks",
+             "_message_forward_hooks", "_aggregate_forward_pre_hooks", "_aggregate_forward_hooks",
+             "_message_and_aggregate_forward_pre_hooks", "_message_and_aggregate_forward_hooks",
+             "_edge_update_forward_pre_hooks", "_edge_update_forward_hooks")
+
+
+class _AttentionGraphs:
+    """The graphs attention layers run on: PyG's ``edge_index`` (for ``loops=N``: with its self-loops
+    removed and loops 0..N-1 added, by PyG's own ``remove_self_loops`` / ``add_self_loops``, as the
+    layer does) as a CSR over targets, and ``perm`` (CSR position -> position in PyG's edge order,
+    the order PyG draws dropout in). Keyed by the contents of ``edge_index`` (its fingerprint), the
+    sizes and the loop count; the CSC for backward is built on first use and kept with the graph."""
+
+    def __init__(self, capacity: int = 8):
+        self.capacity = capacity
+        self._d: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, edge_index: torch.Tensor, n_src: int, n_dst: int, loops):
+        """(CSRGraph, perm), or None when edge_index does not fit the sizes (PyG then raises its own error)."""
+        key = (native.fingerprint(edge_index), tuple(edge_index.shape), edge_index.dtype, n_src, n_dst, loops)
+        with self._lock:
+            hit = self._d.get(key)
+            if hit is not None:
+                self._d.move_to_end(key)
+                return hit
+        built = self._build(edge_index, n_src, n_dst, loops)
+        if built is None:
+            return None
+        with self._lock:
+            self._d[key] = built
+            while len(self._d) > self.capacity:
+                self._d.popitem(last=False)
+        return built
+
+    @staticmethod
+    def _build(edge_index, n_src, n_dst, loops):
+        from torch_geometric.utils import add_self_loops, remove_self_loops
+
+        ei = edge_index.to(torch.int64)
+        if ei.numel() and (int(ei[0].min()) < 0 or int(ei[0].max()) >= n_src or int(ei[1].min()) < 0
+                           or int(ei[1].max()) >= n_dst):
+            return None
+        if loops is not None:
+            ei, _ = remove_self_loops(ei)
+            ei, _ = add_self_loops(ei, num_nodes=loops)
+        rowptr, perm = K.index_to_csr(ei[1].contiguous(), n_dst)
+        col = ei[0].index_select(0, perm).to(torch.int32 if n_src < 2 ** 31 else torch.int64)
+        return CSRGraph(rowptr, col, n_src, validate=False), perm
+
+
+_attention_graphs = _AttentionGraphs()
+
+
+def _attention_edge_index(edge_index):
+    """PyG's edge_index behind what an attention layer was handed: itself (a plain (2, E) integer
+    tensor) or, for an adj_t cpu_opt made (OptimizedGNN converts edge_index), the edge_index it was
+    made from; None for anything else (PyG's own forward takes those)."""
+    if isinstance(edge_index, torch.Tensor) and edge_index.layout == torch.sparse_csr:
+        hit = torch_csr_registry.lookup(edge_index)
+        return torch_csr_registry.source_edge_index(edge_index) if hit is not None and hit[1] else None
+    if (type(edge_index) is torch.Tensor and edge_index.dim() == 2 and edge_index.shape[0] == 2
+            and edge_index.dtype in K.INDEX_DTYPES and edge_index.device.type == "cpu"):
+        return edge_index
+    return None
+
+
+def _attention_why_not(conv, x_pair, edge_index, edge_attr_ok: bool, return_attention_weights) -> str | None:
+    """Why ``conv`` cannot take the fused path for these inputs (None: it can)."""
+    if torch.compiler.is_compiling():
+        return "traced by torch.compile"
+    if return_attention_weights is not None:
+        return "return_attention_weights"
+    if not edge_attr_ok:
+        return "edge_attr"
+    if conv.explain or conv.decomposed_layers != 1 or any(getattr(conv, h, None) for h in _MP_HOOKS):
+        return "explain mode, decomposed layers or message-passing hooks"
+    if not (isinstance(conv.aggr, str) and conv.aggr in ("add", "sum")) or conv.flow != "source_to_target" \
+            or conv.node_dim != 0:
+        return "aggr/flow/node_dim other than PyG's default"
+    xs, xd = x_pair
+    if not (isinstance(xs, torch.Tensor) and isinstance(xd, torch.Tensor)):
+        return "x is a pair with a missing side"
+    if not all(_cpu_float(t) and t.dim() == 2 and t.dtype == xs.dtype for t in (xs, xd)):
+        return "x is not a 2-D CPU float tensor (pair) of one dtype"
+    if _attention_edge_index(edge_index) is None:
+        return "edge_index is not a (2, E) integer tensor"
+    return None
+
+
+def _attention_fallback(conv, why: str, x, edge_index, *rest):
+    """PyG's own forward, given the edge_index it would have had (not the adj_t cpu_opt made)."""
+    _counts[f"attention:pyg ({type(conv).__name__}: {why})"] += 1
+    ei = _attention_edge_index(edge_index)
+    return type(conv).forward(conv, x, ei if ei is not None else edge_index, *rest)
+
+
+def _attention_setup(conv, edge_index, n_src: int, n_dst: int, loops, heads: int, dtype):
+    """(graph, perm, mask in CSR order or None): the graph with PyG's self-loop handling and, when the
+    layer drops attention out, the mask drawn exactly as PyG draws it (``F.dropout`` of an E x H
+    tensor in PyG's edge order, then put in CSR order). None when edge_index does not fit."""
+    built = _attention_graphs.get(_attention_edge_index(edge_index), n_src, n_dst, loops)
+    if built is None:
+        return None
+    g, perm = built
+    mask = None
+    if conv.training and conv.dropout > 0 and g.nnz > 0:
+        mask = K.gather_rows(dropout_multipliers(conv.dropout, (g.nnz, heads), dtype), perm)
+    return g, perm, mask
+
+
+def dropout_multipliers(p: float, shape, dtype) -> torch.Tensor:
+    """What ``F.dropout(t, p, training=True)`` multiplies a contiguous ``t`` of this shape and dtype by,
+    drawn the same way from torch's generator (torch's CPU dropout: ``empty_like(t).bernoulli_(1 - p)
+    .div_(1 - p)``; p = 1 draws nothing and zeroes), so a layer that drops attention out consumes the
+    random stream exactly as PyG's ``F.dropout(alpha)`` does (tests/gnn/test_attention.py checks
+    this against F.dropout)."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if p == 1.0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype).bernoulli_(1 - p).div_(1 - p)
+
+
+def _heads_out(conv, out, res=None):
+    """PyG's tail of GATConv / GATv2Conv: concat or mean over heads, residual, bias."""
+    out = out.reshape(-1, conv.heads * conv.out_channels) if conv.concat else out.mean(dim=1)
+    if res is not None:
+        out = out + res
+    if conv.bias is not None:
+        out = out + conv.bias
+    return out
+
+
+def _gat_project(conv, x):
+    """GATConv.forward's projections: (x_src, x_dst, res), as PyG computes them."""
+    H, C = conv.heads, conv.out_channels
+    if isinstance(x, torch.Tensor):
+        res = conv.res(x) if conv.res is not None else None
+        if conv.lin is not None:
+            x_src = x_dst = conv.lin(x).view(-1, H, C)
+        else:
+            x_src, x_dst = conv.lin_src(x).view(-1, H, C), conv.lin_dst(x).view(-1, H, C)
+        return x_src, x_dst, res
+    x_src, x_dst = x
+    res = conv.res(x_dst) if conv.res is not None else None
+    lin_s, lin_d = (conv.lin, conv.lin) if conv.lin is not None else (conv.lin_src, conv.lin_dst)
+    return lin_s(x_src).view(-1, H, C), lin_d(x_dst).view(-1, H, C), res
+
+
+def _folds(lin) -> bool:
+    """A bias-free, initialised Linear whose map can absorb the attention vector (see _gat_logits)."""
+    from torch_geometric.nn.dense.linear import Linear as PygLinear
+
+    w = getattr(lin, "weight", None)
+    own = getattr(lin.__dict__.get("forward"), "__func__", _linear_forward)  # OptimizedGNN's oneDNN route is fine
+    return (type(lin) in (torch.nn.Linear, PygLinear) and lin.bias is None and isinstance(w, torch.Tensor)
+            and not isinstance(w, torch.nn.parameter.UninitializedParameter) and own is _linear_forward
+            and not lin._forward_hooks and not lin._forward_pre_hooks)
+
+
+def _att_map(conv, lin, att):
+    """``V`` (H, in) with ``x @ V^T == (lin(x).view(-1, H, C) * att).sum(-1)`` for a bias-free ``lin``."""
+    H, C = conv.heads, conv.out_channels
+    return torch.einsum("hc,hcf->hf", att.reshape(H, C), lin.weight.view(H, C, -1))
+
+
+def _gat_logits(conv, x, x_src, x_dst):
+    """GATConv's per-node attention logits ``(x_src * att_src).sum(-1)`` and ``(x_dst * att_dst).sum(-1)``
+    (n, H each). Where a side is ``lin(x)`` with a bias-free Linear, its logits are ``x @ V^T``
+    (:func:`_att_map`): one narrow GEMM (both sides in one when they share x and lin) instead of an
+    n x H x C product and sum, forward and backward; equal up to float rounding, the gradients
+    reach W and att through V by autograd."""
+    xs_in, xd_in = (x, x) if isinstance(x, torch.Tensor) else x
+    lin_s, lin_d = (conv.lin, conv.lin) if conv.lin is not None else (conv.lin_src, conv.lin_dst)
+    if xs_in is xd_in and lin_s is lin_d and _folds(lin_s) and xs_in.dim() == 2:
+        H = conv.heads
+        a = linear(xs_in, torch.cat([_att_map(conv, lin_s, conv.att_src), _att_map(conv, lin_s, conv.att_dst)]))
+        return a[:, :H], a[:, H:]
+    a_src = (linear(xs_in, _att_map(conv, lin_s, conv.att_src)) if _folds(lin_s) and xs_in.dim() == 2
+             else (x_src * conv.att_src).sum(dim=-1))
+    a_dst = (linear(xd_in, _att_map(conv, lin_d, conv.att_dst)) if _folds(lin_d) and xd_in.dim() == 2
+             else (x_dst * conv.att_dst).sum(dim=-1))
+    return a_src, a_dst
+
+
+def _gat_edge_logits(conv, edge_index, edge_attr, loops, perm):
+    """GATConv's per-edge logit term from edge_attr (E x H, CSR order), with PyG's self-loop fill."""
+    from torch_geometric.utils import add_self_loops, remove_self_loops
+
+    if edge_attr is None or conv.lin_edge is None or perm.numel() == 0:
+        return None
+    ei = _attention_edge_index(edge_index)
+    if loops is not None:
+        ei, edge_attr = remove_self_loops(ei, edge_attr)
+        ei, edge_attr = add_self_loops(ei, edge_attr, fill_value=conv.fill_value, num_nodes=loops)
+    if edge_attr.dim() == 1:
+        edge_attr = edge_attr.view(-1, 1)
+    e = conv.lin_edge(edge_attr).view(-1, conv.heads, conv.out_channels)
+    return (e * conv.att_edge).sum(dim=-1).index_select(0, perm)
+
+
+def _gat_forward(self, x, edge_index, edge_attr=None, size=None, return_attention_weights=None):
+    """GATConv.forward on :func:`cpu_opt.gnn.gat_attention` (PyG's forward for what it does not cover)."""
+    args = (x, edge_index, edge_attr, size, return_attention_weights)
+    pair = (x, x) if isinstance(x, torch.Tensor) else tuple(x)
+    edge_ok = edge_attr is None or self.lin_edge is None or isinstance(edge_attr, torch.Tensor)
+    why = _attention_why_not(self, pair, edge_index, edge_ok, return_attention_weights)
+    if why is None and size is not None and tuple(size) != (pair[0].shape[0], pair[1].shape[0]):
+        why = "size other than the node counts"
+    if why is not None:
+        return _attention_fallback(self, why, *args)
+    x_src, x_dst, res = _gat_project(self, x)
+    n_src, n_dst = x_src.shape[0], x_dst.shape[0]
+    loops = min(n_src, n_dst) if self.add_self_loops else None
+    setup = _attention_setup(self, edge_index, n_src, n_dst, loops, self.heads, x_src.dtype)
+    if setup is None:
+        return _attention_fallback(self, "edge_index out of range for x", *args)
+    g, perm, mask = setup
+    a_src, a_dst = _gat_logits(self, x, x_src, x_dst)
+    a_edge = _gat_edge_logits(self, edge_index, edge_attr, loops, perm)
+    _counts["attention:cpu_opt (GATConv)"] += 1
+    out = ops.gat_attention(g, x_src, a_src, a_dst, negative_slope=self.negative_slope, a_edge=a_edge, mask=mask)
+    return _heads_out(self, out, res)
+
+
+def _gatv2_forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
+    """GATv2Conv.forward on :func:`cpu_opt.gnn.gatv2_attention`."""
+    args = (x, edge_index, edge_attr, return_attention_weights)
+    pair = (x, x) if isinstance(x, torch.Tensor) else tuple(x)
+    why = _attention_why_not(self, pair, edge_index, edge_attr is None, return_attention_weights)
+    if why is not None:
+        return _attention_fallback(self, why, *args)
+    H, C = self.heads, self.out_channels
+    if isinstance(x, torch.Tensor):
+        res = self.res(x) if self.res is not None else None
+        x_l = self.lin_l(x).view(-1, H, C)
+        x_r = x_l if self.share_weights else self.lin_r(x).view(-1, H, C)
+    else:
+        res = self.res(x[1]) if self.res is not None else None
+        x_l, x_r = self.lin_l(x[0]).view(-1, H, C), self.lin_r(x[1]).view(-1, H, C)
+    n_src, n_dst = x_l.shape[0], x_r.shape[0]
+    loops = min(n_src, n_dst) if self.add_self_loops else None
+    setup = _attention_setup(self, edge_index, n_src, n_dst, loops, H, x_l.dtype)
+    if setup is None:
+        return _attention_fallback(self, "edge_index out of range for x", *args)
+    g, _, mask = setup
+    _counts["attention:cpu_opt (GATv2Conv)"] += 1
+    out = ops.gatv2_attention(g, x_l, x_r, self.att, negative_slope=self.negative_slope, mask=mask)
+    return _heads_out(self, out, res)
+
+
+def _transformer_forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
+    """TransformerConv.forward on :func:`cpu_opt.gnn.transformer_attention`."""
+    import math
+
+    args = (x, edge_index, edge_attr, return_attention_weights)
+    pair = (x, x) if isinstance(x, torch.Tensor) else tuple(x)
+    why = _attention_why_not(self, pair, edge_index, edge_attr is None, return_attention_weights)
+    if why is not None:
+        return _attention_fallback(self, why, *args)
+    H, C = self.heads, self.out_channels
+    query = self.lin_query(pair[1]).view(-1, H, C)
+    key = self.lin_key(pair[0]).view(-1, H, C)
+    value = self.lin_value(pair[0]).view(-1, H, C)
+    setup = _attention_setup(self, edge_index, key.shape[0], query.shape[0], None, H, value.dtype)
+    if setup is None:
+        return _attention_fallback(self, "edge_index out of range for x", *args)
+    g, _, mask = setup
+    _counts["attention:cpu_opt (TransformerConv)"] += 1
+    out = ops.transformer_attention(g, query, key, value, score_div=math.sqrt(C), mask=mask)
+    self._alpha = None
+    out = out.reshape(-1, H * C) if self.concat else out.mean(dim=1)
+    if self.root_weight:
+        x_r = self.lin_skip(pair[1])
+        if self.lin_beta is not None:
+            beta = self.lin_beta(torch.cat([out, x_r, out - x_r], dim=-1)).sigmoid()
+            out = beta * x_r + (1 - beta) * out
+        else:
+            out = out + x_r
+    return out
+
+
+def _pyg_edge_index_forward(self, x, edge_index, *args, **kwargs):
+    """The layer's own forward, handed the edge_index an adj_t made by cpu_opt came from: PyG's
+    attention layers compute something else on a sparse adj_t when the graph has duplicate edges
+    (GATConv on an R-MAT graph: 0.5 off), so layers that do not take the fused path get PyG's
+    default edge_index path, exactly."""
+    _counts[f"attention:pyg ({type(self).__name__}: not fused (a subclass, or fused_attention=False))"] += 1
+    ei = _attention_edge_index(edge_index)
+    return type(self).forward(self, x, ei if ei is not None else edge_index, *args, **kwargs)
+
+
+def attention_layers(model: torch.nn.Module, fused: bool = True) -> dict:
+    """``{module: forward}`` for the GATConv, GATv2Conv and TransformerConv layers of ``model``: the
+    fused forwards for those exact classes (a subclass may have changed what its forward or message
+    computes), :func:`_pyg_edge_index_forward` for subclasses (and for all with ``fused=False``)."""
+    from torch_geometric.nn import GATConv, GATv2Conv, TransformerConv
+
+    table = {GATConv: _gat_forward, GATv2Conv: _gatv2_forward, TransformerConv: _transformer_forward}
+    return {m: table[type(m)] if fused and type(m) in table else _pyg_edge_index_forward for m in model.modules()
+            if isinstance(m, tuple(table)) and "forward" not in m.__dict__}
+
+
 @contextlib.contextmanager
 def _forwards(layers: dict):
     """Give each layer its own forward for the duration of one call (instance attribute, removed
@@ -374,7 +687,7 @@ class OptimizedGNN(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, *, edge_arg: str | None = None,
                  index_dtype: torch.dtype = torch.int64, cache_size: int = 4, linear_first: bool = True,
-                 onednn_linear: bool = True):
+                 onednn_linear: bool = True, fused_attention: bool = True):
         super().__init__()
         self.model = model
         params = list(inspect.signature(model.forward).parameters)
@@ -405,7 +718,12 @@ class OptimizedGNN(torch.nn.Module):
         linears = linear_layers(model) if onednn_linear else {}
         if linears:
             self._notes["Linear layers on torch's oneDNN where float32 (routing: linear fp32 -> torch_onednn)"] = len(linears)
-        self._forwards = {**linears, **self._linear_first}
+        attention = attention_layers(model, fused_attention)
+        self._attention = {m: f for m, f in attention.items() if f is not _pyg_edge_index_forward}
+        for m in attention:
+            what = _ATTENTION_WHY if m in self._attention else "PyG's forward on the original edge_index"
+            self._notes[f"{type(m).__name__}(heads={m.heads}, {m.out_channels} per head): {what}"] += 1
+        self._forwards = {**linears, **self._linear_first, **attention}
         self._onednn_linear = onednn_linear
 
     def _adj_t(self, edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
@@ -460,11 +778,15 @@ class OptimizedGNN(torch.nn.Module):
             "fallbacks": [{"node": k.split(":", 1)[0], "op": k.split(":", 1)[0], "reason": k.split(":", 1)[1].strip(),
                            "count": v} for k, v in sorted(counts.items()) if "pyg" in k.split(":", 1)[-1]],
             "routed": [{"node": type(m).__name__, "op": type(m).__name__, "route": "cpu_opt.gnn",
-                        "why": "linear map before aggregation" if m in self._linear_first else "Linear on torch's oneDNN"}
-                       for m in self._forwards],
+                        "why": self._why(m)} for m, f in self._forwards.items() if f is not _pyg_edge_index_forward],
             "notes": [f"{k}: {v}" for k, v in sorted(self._notes.items())],
             "validation": None, "counts": counts,
         }
+
+    def _why(self, m) -> str:
+        if m in self._linear_first:
+            return "linear map before aggregation"
+        return _ATTENTION_WHY if m in self._attention else "Linear on torch's oneDNN"
 
     def report_text(self) -> str:
         """What ran where since creation (counts), as text."""
@@ -477,23 +799,27 @@ class OptimizedGNN(torch.nn.Module):
 
 
 def optimize(model: torch.nn.Module, *, edge_arg: str | None = None, index_dtype: torch.dtype = torch.int64,
-             linear_first: bool = True, onednn_linear: bool = True, verbose: bool = False) -> OptimizedGNN:
+             linear_first: bool = True, onednn_linear: bool = True, fused_attention: bool = True,
+             verbose: bool = False) -> OptimizedGNN:
     """Wrap a PyG model so its message passing runs on cpu_opt kernels. The model's forward must
     take node features first and ``edge_index`` (or ``edge_arg``) as a (2, E) integer tensor.
     ``index_dtype=torch.int32`` halves the column index traffic. ``linear_first``: narrowing
     SAGEConv (sum/mean) and GINConv layers apply their linear map before aggregating (see the
     module docstring); ``False`` keeps PyG's order exactly. ``onednn_linear``: the model's Linear
     layers run on torch's oneDNN where the routing table says so (:func:`linear`); ``False`` keeps
-    ``F.linear``."""
+    ``F.linear``. ``fused_attention``: GATConv, GATv2Conv and TransformerConv run their attention on
+    cpu_opt's fused kernels (:func:`attention_layers`; PyG's forward for what those do not cover, counted
+    in ``report()``); ``False`` keeps PyG's."""
     from torch_geometric.nn import MessagePassing
 
     convs = [type(m).__name__ for m in model.modules() if isinstance(m, MessagePassing)]
     if not convs:
         raise ValueError(f"{type(model).__name__} contains no torch_geometric MessagePassing layer")
     opt = OptimizedGNN(model, edge_arg=edge_arg, index_dtype=index_dtype, linear_first=linear_first,
-                       onednn_linear=onednn_linear)
+                       onednn_linear=onednn_linear, fused_attention=fused_attention)
     if verbose:
         fused = [c for c in convs if c in ("GCNConv", "SAGEConv", "GINConv", "GraphConv")]
         print(f"cpu_opt.gnn.optimize: {len(convs)} message-passing layers ({', '.join(sorted(set(convs)))}); "
-              f"fused spmm path for {len(fused)}, scatter path for the rest")
+              f"fused spmm path for {len(fused)}, fused attention for {len(opt._attention)}, "
+              f"scatter path for the rest")
     return opt
