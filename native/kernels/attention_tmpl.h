@@ -177,9 +177,10 @@ static CO_ACC *CO_ATT(att_scratch)(int64_t n)
 /* ---------------------------------------------------------------------------- forward, shared */
 
 /* Softmax per head over one row's scores sc (deg x H, row-major), in place: max-subtracted exp,
- * divided by the sum plus PyG's eps. One head: flat loops; more: vector loops over the heads. */
-static inline void CO_ATT(att_row_softmax)(CO_ACC *restrict sc, int64_t deg, int64_t H, CO_ACC *restrict mx,
-                                           CO_ACC *restrict sum)
+ * divided by the sum plus PyG's eps. Called through CO_BY_H, so the head loops have a fixed length
+ * for the usual head counts (one vector op per edge for H = 8 in float). */
+CO_INLINE void CO_ATT(att_row_softmax)(CO_ACC *restrict sc, int64_t deg, CO_ACC *restrict mx, CO_ACC *restrict sum,
+                                       int64_t H)
 {
     if (H == 1) {
         CO_ACC m = (CO_ACC)(-INFINITY), z = 0;
@@ -196,8 +197,8 @@ static inline void CO_ATT(att_row_softmax)(CO_ACC *restrict sc, int64_t deg, int
         for (int64_t d = 0; d < deg; ++d) sc[d] = sc[d] / z;
         return;
     }
-    for (int64_t h = 0; h < H; ++h) { mx[h] = (CO_ACC)(-INFINITY); sum[h] = 0; }
-    for (int64_t d = 0; d < deg; ++d) {
+    for (int64_t h = 0; h < H; ++h) { mx[h] = sc[h]; sum[h] = 0; }
+    for (int64_t d = 1; d < deg; ++d) {
         const CO_ACC *restrict sd = sc + d * H;
 #pragma omp simd
         for (int64_t h = 0; h < H; ++h) mx[h] = sd[h] > mx[h] ? sd[h] : mx[h];
@@ -219,6 +220,19 @@ static inline void CO_ATT(att_row_softmax)(CO_ACC *restrict sc, int64_t deg, int
     }
 }
 
+/* calls fn(args..., H) with H a compile-time constant for the usual head counts */
+#define CO_BY_H(H_, fn, ...)                                 \
+    do {                                                     \
+        switch (H_) {                                        \
+        case 1: fn(__VA_ARGS__, 1); break;                   \
+        case 2: fn(__VA_ARGS__, 2); break;                   \
+        case 4: fn(__VA_ARGS__, 4); break;                   \
+        case 8: fn(__VA_ARGS__, 8); break;                   \
+        case 16: fn(__VA_ARGS__, 16); break;                 \
+        default: fn(__VA_ARGS__, H_); break;                 \
+        }                                                    \
+    } while (0)
+
 /* The scores of row [s, end) go here: alpha itself where it has the accumulator's type (f32, f64),
  * else the thread's scratch (copied to alpha by att_row_finish). */
 #if CO_T_IS_ACC
@@ -237,7 +251,7 @@ CO_INLINE void CO_ATT(att_row_finish)(int64_t s, int64_t end, int64_t e_stop, co
 {
     const int64_t deg = end - s, HC = H * C;
     CO_ACC *restrict w = tmp + 2 * H;
-    CO_ATT(att_row_softmax)(sc, deg, H, tmp, tmp + H);
+    CO_BY_H(H, CO_ATT(att_row_softmax), sc, deg, tmp, tmp + H);
 #if !CO_T_IS_ACC
     for (int64_t q = 0; q < deg * H; ++q) alpha[s * H + q] = CO_STORE(sc[q]);
 #endif
@@ -731,6 +745,7 @@ int64_t KFN(CO_N3(transformer_backward, CO_DT, CO_ISUF))(
 #undef CO_ATT_PREFETCH
 #undef CO_ATT_PREFETCH_WZ
 #undef CO_ROW_SCORES
+#undef CO_BY_H
 #undef CO_LRELU
 #undef CO_EXP
 #undef CO_ATT
