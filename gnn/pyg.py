@@ -722,6 +722,8 @@ class OptimizedGNN(torch.nn.Module):
         self._attention = {m: f for m, f in attention.items() if f is not _pyg_edge_index_forward}
         for m in attention:
             what = _ATTENTION_WHY if m in self._attention else "PyG's forward on the original edge_index"
+            if m in self._attention and type(m).__name__ != "GATConv" and m.edge_dim is not None:
+                what += "; PyG's forward for calls with edge_attr"
             self._notes[f"{type(m).__name__}(heads={m.heads}, {m.out_channels} per head): {what}"] += 1
         self._forwards = {**linears, **self._linear_first, **attention}
         self._onednn_linear = onednn_linear
