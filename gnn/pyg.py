@@ -301,19 +301,37 @@ def linear_layers(model: torch.nn.Module) -> dict:
 # ----------------------------------------------------------------------------- linear before aggregation
 
 def _sage_forward_linear_first(self, x, edge_index, size=None):
-    """SAGEConv.forward (sum/mean, no ``project``) with lin_l applied before propagate."""
+    """SAGEConv.forward (sum/mean, no ``project``) with lin_l applied before propagate. When the
+    root term reads the same ``x``, both maps are one GEMM ``x [W_l; W_r]^T`` (with the biases on
+    the root half): one pass over ``x``, and in backward one input-gradient GEMM instead of two
+    and their sum."""
     if isinstance(x, torch.Tensor):
         x = (x, x)
-    h = linear(x[0], self.lin_l.weight)
-    out = self.propagate(edge_index, x=(h, x[1]), size=size)
-    if self.lin_l.bias is not None:
-        out = out + self.lin_l.bias
     x_r = x[1]
-    if self.root_weight and x_r is not None:
-        out = out + self.lin_r(x_r)
+    root = self.root_weight and x_r is not None
+    if root and x_r is x[0] and _initialized(self.lin_r.weight):
+        c = self.lin_l.weight.shape[0]
+        biases = [b for b in (self.lin_l.bias, self.lin_r.bias) if b is not None]
+        bias = None if not biases else torch.cat([biases[0].new_zeros(c), sum(biases[1:], biases[0])])
+        y = linear(x_r, torch.cat([self.lin_l.weight, self.lin_r.weight]), bias)
+        out = self.propagate(edge_index, x=(y[:, :c], x_r), size=size) + y[:, c:]
+    else:
+        h = linear(x[0], self.lin_l.weight)
+        out = self.propagate(edge_index, x=(h, x_r), size=size)
+        if self.lin_l.bias is not None:
+            out = out + self.lin_l.bias
+        if root:
+            out = out + self.lin_r(x_r)
     if self.normalize:
         out = torch.nn.functional.normalize(out, p=2.0, dim=-1)
     return out
+
+
+def _add_root(self, out, x_r):
+    """GINConv's ``out + (1 + eps) * x_r``, as one pass where ``eps`` is not trained."""
+    if isinstance(self.eps, torch.Tensor) and self.eps.requires_grad:
+        return out + (1 + self.eps) * x_r
+    return torch.add(out, x_r, alpha=1 + float(self.eps))
 
 
 def _gin_forward_linear_first(self, x, edge_index, size=None):
@@ -326,7 +344,7 @@ def _gin_forward_linear_first(self, x, edge_index, size=None):
     h_r = None if x[1] is None else (h if x[1] is x[0] else linear(x[1], first.weight))
     out = self.propagate(edge_index, x=(h, h_r), size=size)
     if h_r is not None:
-        out = out + (1 + self.eps) * h_r
+        out = _add_root(self, out, h_r)
     if first.bias is not None:
         out = out + first.bias
     for layer in list(self.nn)[1:]:
@@ -334,9 +352,12 @@ def _gin_forward_linear_first(self, x, edge_index, size=None):
     return out
 
 
+def _initialized(weight) -> bool:
+    return isinstance(weight, torch.Tensor) and not isinstance(weight, torch.nn.parameter.UninitializedParameter)
+
+
 def _narrowing(weight) -> bool:
-    return (isinstance(weight, torch.Tensor) and not isinstance(weight, torch.nn.parameter.UninitializedParameter)
-            and weight.dim() == 2 and weight.shape[0] < weight.shape[1])
+    return _initialized(weight) and weight.dim() == 2 and weight.shape[0] < weight.shape[1]
 
 
 def linear_first_layers(model: torch.nn.Module) -> dict:

@@ -88,7 +88,7 @@ VARIANT_CASES = ([(c, torch.int64, None) for c in CASES]
 def test_forward_and_gradients_match_reference(kind, case, index_dtype, variant):
     graph, n_dst, n_src, dst, src, perm = csr_case(case, index_dtype)
     d, s = dst[perm], src[perm]  # edges in CSR order
-    for H, C, with_mask in ((1, 8, False), (3, 5, True), (2, 16, True)):  # C = 8, 16: the fixed-length loops
+    for H, C, with_mask in ((1, 8, False), (3, 5, True), (8, 4, True), (2, 16, True)):  # fixed-length loops and not
         nodes, a_edge = _inputs(kind, n_dst, n_src, graph.nnz, H, C)
         mask = _mask(graph.nnz, H) if with_mask else None
         nodes = [t.requires_grad_() for t in nodes]

@@ -188,7 +188,7 @@ LINEAR_FIRST_LAYERS = {
 
 
 @pytest.mark.parametrize("name", sorted(LINEAR_FIRST_LAYERS))
-def test_linear_before_aggregation_matches_pyg(name):
+def test_linear_before_aggregation_matches_pyg(name, monkeypatch):
     torch.manual_seed(0)
     x, ei, _ = _task()
     ref = LINEAR_FIRST_LAYERS[name]()
@@ -196,8 +196,18 @@ def test_linear_before_aggregation_matches_pyg(name):
     fast = gnn.optimize(fast_layer)
     assert fast_layer in gpyg.linear_first_layers(fast_layer)
     xr, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    widths = []
+    real_linear = gpyg.linear
+
+    def counting_linear(inp, weight, bias=None):
+        widths.append(weight.shape[0])
+        return real_linear(inp, weight, bias)
+
+    monkeypatch.setattr(gpyg, "linear", counting_linear)
     out_r, out_f = ref(xr, ei), fast(xf, ei)
     torch.testing.assert_close(out_f, out_r, rtol=1e-4, atol=1e-5)
+    if isinstance(ref, SAGEConv):  # with a root term: lin_l and lin_r as one GEMM of twice the width
+        assert widths == ([2 * ref.out_channels] if ref.root_weight else [ref.out_channels])
     g = torch.randn_like(out_r)
     out_r.backward(g)
     out_f.backward(g)
@@ -206,6 +216,18 @@ def test_linear_before_aggregation_matches_pyg(name):
         torch.testing.assert_close(p_f.grad, p_r.grad, rtol=1e-4, atol=1e-5, msg=f"grad of {pname}")
     assert "linear before aggregation" in fast.report_text()
     assert "forward" not in fast_layer.__dict__  # the layer's own forward is back after the call
+
+
+def test_linear_first_sage_on_a_bipartite_pair_keeps_two_maps():
+    """(x_src, x_dst): the root term reads another tensor, so lin_l and lin_r stay two GEMMs."""
+    torch.manual_seed(0)
+    x, ei, _ = _task()
+    x_dst = torch.randn(x.shape[0], x.shape[1])
+    ref = SAGEConv(12, 3, aggr="mean")
+    fast_layer = copy.deepcopy(ref)
+    fast = gnn.optimize(fast_layer)
+    assert fast_layer in gpyg.linear_first_layers(fast_layer)
+    torch.testing.assert_close(fast((x, x_dst), ei), ref((x, x_dst), ei), rtol=1e-4, atol=1e-5)
 
 
 def test_linear_first_only_where_it_narrows_and_can_be_turned_off():
