@@ -3,6 +3,7 @@
     import cpu_opt
     fast = cpu_opt.optimize(model, example_input)        # dtype="auto": bf16 where the CPU has it
     fast = torch.compile(model, backend="cpu_opt")       # the same lowering, as a dynamo backend
+    served = cpu_opt.optimize(model, example, buckets=cpu_opt.Buckets(sizes=(32, 64, 128)))  # padded lengths
 
 ``python -m cpu_opt info`` prints what was detected and where each kind of work is routed.
 """
@@ -23,6 +24,14 @@ def optimize(model, example_inputs, **kwargs):
     from .compiler.pipeline import optimize as _optimize
 
     return _optimize(model, example_inputs, **kwargs)
+
+
+def __getattr__(name):
+    if name == "Buckets":  # optimize(..., buckets=cpu_opt.Buckets(...)); imported on first use
+        from .compiler.buckets import Buckets
+
+        return Buckets
+    raise AttributeError(f"module 'cpu_opt' has no attribute {name!r}")
 
 
 def _register_dynamo_backend() -> None:

@@ -8,5 +8,6 @@
   and torch calls, buffers reused only where no caller can see them
 * ``pipeline.py`` — ``optimize`` and the :class:`OptimizedModule` it returns (plans per shape,
   validation against eager, the report)
+* ``buckets.py`` — ``optimize(..., buckets=)``: inputs padded to bucket lengths, outputs sliced back
 * ``generate.py`` — ``generate()`` on an optimized causal LM
 """

@@ -36,6 +36,28 @@ class Captured:
     # non-tensor leaves of the inputs (bools, ints, floats, strings, None): constants of this
     # capture, as (position among the flat leaves, value); the graph takes only the tensor leaves
     constants: tuple = ()
+    # torch.export with dynamic shapes: the symbolic size of every input and output dimension
+    # (recorded before shape propagation replaces them with the example's sizes), else None
+    symbolic: SymbolicShapes | None = None
+
+
+@dataclass(frozen=True)
+class SymDim:
+    """A dimension torch.export kept symbolic: its size expression (``"s53"``, ``"s70 - 1"``) and
+    the names of the symbols in it."""
+    expr: str
+    symbols: frozenset
+
+
+@dataclass(frozen=True)
+class SymbolicShapes:
+    """Per graph input (the tensor leaves, in order) and per graph output (the flat outputs): a
+    tuple with, for each dimension, an ``int`` (static) or a :class:`SymDim`; ``None`` for an
+    output that is not a tensor. ``ranges``: symbol name -> (lowest, highest or None) size
+    torch.export allows (e.g. BERT's sequence length ends at ``max_position_embeddings``)."""
+    inputs: tuple
+    outputs: tuple
+    ranges: dict
 
 
 def flatten_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -108,16 +130,54 @@ def capture(model: torch.nn.Module, example_inputs, *, dynamic_shapes=None, eage
         gm = ep.module()
         gm = _flat_module(gm, in_spec, out_spec)
         method = "torch.export"
+        symbolic = ep if t_dyn is not None else None
     except Exception as e_export:  # noqa: BLE001 - we report and try the next method
         notes.append(f"torch.export failed ({_explain(e_export)}); used torch.fx.symbolic_trace")
         try:
             gm = _fx_capture(target, t_args, t_kwargs, flat_in)
             method = "fx.symbolic_trace"
+            symbolic = None
         except Exception as e_fx:  # noqa: BLE001
             raise CaptureError(f"cannot capture {type(model).__name__}: torch.export: {_explain(e_export)}; "
                                f"FX symbolic_trace: {_explain(e_fx)}") from e_fx
+    if symbolic is not None:
+        try:
+            symbolic = _symbolic_shapes(gm, symbolic)
+        except Exception:  # noqa: BLE001 - only buckets read these; without them each shape gets a plan
+            symbolic = None
     _propagate_shapes(gm, flat_in)
-    return Captured(gm, in_spec, out_spec, method, notes, len(flat_in), constants)
+    return Captured(gm, in_spec, out_spec, method, notes, len(flat_in), constants, symbolic)
+
+
+def _symbolic_shapes(gm: torch.fx.GraphModule, ep) -> SymbolicShapes | None:
+    """The sizes torch.export left symbolic, read from the flat module's placeholders and outputs
+    (``meta["val"]`` holds export's fake tensors with ``SymInt`` sizes until shape propagation);
+    ``None`` when no dimension is symbolic."""
+    def dims(v):
+        if not isinstance(v, torch.Tensor):
+            return None
+        out = []
+        for d in v.shape:
+            if isinstance(d, torch.SymInt):
+                expr = d.node.expr
+                out.append(SymDim(str(expr), frozenset(str(x) for x in expr.free_symbols)))
+            else:
+                out.append(int(d))
+        return tuple(out)
+
+    import sympy
+
+    def bound(b):  # torch's int_oo (unbounded) is a sympy Number but not an Integer
+        return int(b) if isinstance(b, (int, sympy.Integer)) else None
+
+    nodes = list(gm.graph.nodes)
+    inputs = tuple(dims(n.meta.get("val")) for n in nodes if n.op == "placeholder")
+    out = next(n for n in nodes if n.op == "output")
+    outputs = tuple(dims(a.meta.get("val")) if isinstance(a, torch.fx.Node) else None for a in out.args[0])
+    if not any(isinstance(d, SymDim) for t in inputs + outputs if t for d in t):
+        return None
+    ranges = {str(k): (bound(v.lower), bound(v.upper)) for k, v in getattr(ep, "range_constraints", {}).items()}
+    return SymbolicShapes(inputs, outputs, ranges)
 
 
 @contextlib.contextmanager

@@ -136,7 +136,7 @@ class DynamoModule(torch.nn.Module):
         with self._lock:
             states = list(self._graphs)
         graphs, parts, fallbacks, routed, attention, breaks = [], [], [], [], [], []
-        views = 0
+        views = plans = 0
         for i, st in enumerate(states):
             r = st["m"].report() if "m" in st else None
             graphs.append({"graph": i, "ops": st["ops"], "optimized": r is not None,
@@ -153,6 +153,7 @@ class DynamoModule(torch.nn.Module):
             routed += [dict(x, graph=i) for x in r["routed"]]
             attention += [dict(a, graph=i) for a in r["attention"]]
             views += r["views_in_torch"]
+            plans += r.get("plans_compiled", 0)
         capture_notes = [f"torch.export and FX symbolic tracing could not capture the model ({self._capture_error}); "
                          f"captured through dynamo: {len(states)} graph(s), {len(breaks)} graph break(s)"]
         if self._use_eager:
@@ -172,6 +173,7 @@ class DynamoModule(torch.nn.Module):
             "attention": attention,
             "views_in_torch": views,
             "shapes_compiled": len(states),
+            "plans_compiled": plans,
             "shape_validation": [],
             "optimize_seconds": round(self._seconds, 3),
             "weight_refreshes": 0,
@@ -180,6 +182,7 @@ class DynamoModule(torch.nn.Module):
             "routes": {w: routing.route(w, self.dtype).backend for w in ("gemm", "linear", "conv", "attention")},
             "graph_breaks": breaks,
             "graphs": graphs,
+            "buckets": {"disabled": self.bucket_note} if getattr(self, "bucket_note", None) else None,
         }
 
     def print_report(self) -> None:

@@ -125,6 +125,8 @@ class OptimizedModule(torch.nn.Module):
         self._options = options
         self._validation = None
         self._autotune = None
+        self._bucketing = None  # buckets.Bucketing when optimize was given buckets=
+        self._plans_built = 1  # plans compiled over the module's life (evicted ones included)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ weights changed in place
@@ -168,6 +170,11 @@ class OptimizedModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if self._weights_changed():
             self._refresh()
+        b = self._bucketing
+        if b is not None:
+            if b.active:
+                return self._bucketed(b, args, kwargs)
+            b.count(unbucketed="disabled")  # off (report()["buckets"]["disabled"] says why): counted
         n_fast, leaf_out = self._fast_path()
         if not kwargs and len(args) == n_fast and all(type(a) is torch.Tensor for a in args):
             sig = tuple((tuple(a.shape), a.dtype) for a in args)
@@ -176,6 +183,11 @@ class OptimizedModule(torch.nn.Module):
                 with torch.no_grad():
                     out = plan.program(*args)
                 return out[0] if leaf_out else pytree.tree_unflatten(list(out), self._captured.out_spec)
+        flat = self._flat_inputs(args, kwargs)
+        out, plan = self._run(args, kwargs, flat, _signature(flat))
+        return pytree.tree_unflatten(list(out), plan.out_spec or self._captured.out_spec)
+
+    def _flat_inputs(self, args, kwargs) -> list:
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._captured.in_spec:
             raise TypeError(f"inputs have structure {spec}, but the model was optimized for "
@@ -184,19 +196,109 @@ class OptimizedModule(torch.nn.Module):
             if not isinstance(t, torch.Tensor) and not _is_constant(t):
                 raise TypeError(f"input {i} is a {type(t).__name__}; expected a tensor or a plain constant "
                                 "(bool, int, float, str, None)")
-        sig = _signature(flat)
+        return flat
+
+    def _run(self, args, kwargs, flat, sig, on_build=None):
+        """The flat outputs of the plan for ``sig`` (planned on first use), and the plan."""
         plan = self._plans.get(sig)
         if plan is None:
-            plan = self._new_shape(args, kwargs, flat, sig)
+            plan = self._new_shape(args, kwargs, flat, sig, on_build)
         elif len(self._plans) > 1:
             with self._lock:
                 if sig in self._plans:
                     self._plans.move_to_end(sig)
         with torch.no_grad():
             out = plan.program(*tensor_leaves(flat))
-        return pytree.tree_unflatten(list(out), plan.out_spec or self._captured.out_spec)
+        return out, plan
 
-    def _new_shape(self, args, kwargs, flat, sig) -> Plan:
+    def _bucketed(self, b, args, kwargs):
+        """A call with buckets on: pad to the bucket, run its plan, slice the outputs back; the first
+        call of each bucket plan is compared with eager at the true length (a mismatch switches
+        bucketing off for the model and answers this call unpadded)."""
+        flat = self._flat_inputs(args, kwargs)
+        sig = _signature(flat)
+
+        def plain():
+            out, plan = self._run(args, kwargs, flat, sig)
+            return pytree.tree_unflatten(list(out), plan.out_spec or self._captured.out_spec)
+
+        def unpadded(why):
+            b.count(unbucketed=why)
+            return plain()
+
+        if any(isinstance(x, type) or len(x) != len(o) or d != od
+               for (x, d), (o, od) in zip(sig, self._base_sig) if not isinstance(o, type)):
+            return plain()  # another rank or dtype than the example's: _new_shape raises, naming the input
+        length = b.length(flat)
+        if length is None:
+            return unpadded("lengths_differ")
+        bucket = b.spec.bucket_for(length)
+        if bucket is None:
+            return unpadded("above_largest")
+        if bucket != length and sig in self._plans:  # the example's shape: its plan is there already
+            return unpadded("existing_plan")
+        if bucket == length:  # nothing to pad: the bucket's own plan
+            b.count(bucket)
+            out, plan = self._run(args, kwargs, flat, sig, on_build=b.plan_built)
+            return pytree.tree_unflatten(list(out), plan.out_spec or self._captured.out_spec)
+        pflat = b.pad(flat, bucket)
+        pargs, pkwargs = pytree.tree_unflatten(pflat, self._captured.in_spec)
+        psig = _signature(pflat)
+        out, plan = self._run(pargs, pkwargs, pflat, psig, on_build=b.plan_built)
+        out = b.unpad(out, length, bucket)
+        spec = plan.out_spec or self._captured.out_spec
+        if out is None:
+            b.disabled = (f"the bucket {bucket} plan's outputs do not have the padded length where the capture "
+                          "says they do; each length gets a plan")
+            return unpadded("disabled")
+        result = pytree.tree_unflatten(out, spec)
+        if psig not in b.validated and self._options.get("validate", True):
+            with self._lock:  # one eager run per bucket plan, not one per thread that got there first
+                res = b.validated.get(psig)
+                if res is None:
+                    res = b.validated[psig] = self._check_bucket(result, args, kwargs, length, bucket)
+            if not res["ok"]:
+                b.disabled = (f"padding changed the answer: length {length} padded to {bucket} disagreed with eager at "
+                              f"length {length} ({res['why']}); the model does not mask the padded positions, so "
+                              "bucketing is off and each length gets a plan of its own")
+                return unpadded("disabled")
+        b.count(bucket)
+        return result
+
+    def _check_bucket(self, result, args, kwargs, length: int, bucket: int) -> dict:
+        """Bucketed (sliced) outputs against the model run eagerly at the true, unpadded shape."""
+        model = self._model[0]
+        was_training = model.training
+        model.eval()
+        try:
+            with KeptState(model), torch.no_grad():
+                a, k = copies((args, kwargs))
+                ref = model(*a, **k)
+        finally:
+            if was_training:
+                model.train()
+        res = {"bucket": bucket, "length": length,
+               "shapes": [list(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]}
+        got = pytree.tree_leaves(result)
+        want = pytree.tree_leaves(ref)
+        if len(got) != len(want):
+            return dict(res, ok=False, why=f"{len(got)} output leaves, eager has {len(want)}")
+        for i, (x, y) in enumerate(zip(got, want)):
+            if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+                return dict(res, ok=False, why=f"output {i} is {type(x).__name__}, eager's {type(y).__name__}")
+            if isinstance(x, torch.Tensor):
+                if x.shape != y.shape:
+                    return dict(res, ok=False, why=f"output {i} has shape {list(x.shape)}, eager's {list(y.shape)}")
+                if not x.is_floating_point() and not torch.equal(x, y):
+                    return dict(res, ok=False, why=f"output {i} ({x.dtype}) differs from eager's")
+        cmp = _compare(result, ref, self.dtype)
+        res.update(cmp)
+        if not cmp["ok"]:
+            res["why"] = (f"max rel err {cmp.get('max_rel_err', float('nan')):.3g}, "
+                          f"cosine {cmp.get('min_cosine', float('nan')):.6f}")
+        return res
+
+    def _new_shape(self, args, kwargs, flat, sig, on_build=None) -> Plan:
         old = self._base_sig
         for i, ((a, b), (oa, ob)) in enumerate(zip(sig, old)):
             if isinstance(a, type) or isinstance(oa, type):  # a constant here or there
@@ -226,6 +328,9 @@ class OptimizedModule(torch.nn.Module):
                     model.train()
             plan.first_output = None
             self._plans[sig] = plan
+            self._plans_built += 1
+            if on_build is not None:
+                on_build()
             limit = self._options.get("max_shapes") or 0
             while limit and len(self._plans) > limit:  # least recently used first; never the example's
                 old_sig = next(s for s in self._plans if s != self._base_sig)
@@ -323,6 +428,8 @@ class OptimizedModule(torch.nn.Module):
             "attention": attention,
             "views_in_torch": views,
             "shapes_compiled": len(self._plans),
+            "plans_compiled": self._plans_built,
+            "buckets": self._bucketing.report() if self._bucketing is not None else None,
             "shape_validation": [{"shapes": [list(a) for a, _ in sig if not isinstance(a, type)],
                                   "constants": [v for a, v in sig if isinstance(a, type)], **res}
                                  for sig, res in self._shape_checks.items()],
@@ -361,6 +468,11 @@ class OptimizedModule(torch.nn.Module):
                 print(f"    {f['node']} ({f['op']}): {f['reason']}")
         if r["validation"]:
             print(f"  validation against eager: {r['validation']}")
+        bk = r["buckets"]
+        if bk is not None:
+            print(f"  buckets {bk['sizes']} along dim {bk['dim']}: " + (f"off ({bk['disabled']})" if bk["disabled"] else
+                  f"padding {', '.join(p['input'] for p in bk['padded_inputs'])}; calls per bucket "
+                  f"{bk['calls_per_bucket']}, {bk['plans_compiled']} bucket plan(s)"))
 
 
 def _narrow_int8(model, example_inputs, ref, flat_in, out_dtypes, leaves, options, state, res):
@@ -478,9 +590,10 @@ def _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options) -> O
 MAX_SHAPES = 32  # plans kept per optimized model (LRU; the example's plan is never evicted)
 
 
-def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dynamic=None, autotune: bool = False,
-             verbose: bool = False, validate: bool = True, max_shapes: int = MAX_SHAPES, calibration_data=None,
-             qconfig_mapping=None, _int8_state=None, _dynamo_fallback: bool = True) -> OptimizedModule:
+def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dynamic=None, buckets=None,
+             autotune: bool = False, verbose: bool = False, validate: bool = True, max_shapes: int = MAX_SHAPES,
+             calibration_data=None, qconfig_mapping=None, _int8_state=None,
+             _dynamo_fallback: bool = True) -> OptimizedModule:
     """Optimize ``model`` for this CPU.
 
     ``example_inputs``: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
@@ -496,6 +609,21 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     differs (fp32: 1e-3 relative; bf16: cosine 0.99) — never silently wrong; each new shape is
     compared once too, on its first call. ``max_shapes``: how many input shapes keep a compiled
     plan (least recently used evicted first, the example's kept; 0 = no bound).
+
+    ``buckets``: for serving many lengths with ``dynamic=True`` (which it implies when ``dynamic``
+    is not given; ``dynamic=False`` with buckets raises): a :class:`cpu_opt.Buckets` (``sizes``,
+    ``dim=1``, ``pad_values={input name: value}``, default 0) or just a sequence of sizes. The
+    inputs whose size along ``dim`` is the same symbolic dimension of the capture are right-padded
+    to the smallest bucket size at least that long, the bucket's plan runs, and each output
+    dimension whose symbolic size is that dimension is sliced back to the true length (outputs
+    keep their types) — one plan per bucket instead of one per length. Lengths above the largest
+    bucket run unpadded, each on its own plan (bounded by ``max_shapes``). Padding is right only
+    where the model masks the padded positions, so the first call of each bucket plan is also run
+    eagerly at the true shape and compared (the tolerances above); a mismatch switches bucketing
+    off for the model (each length gets its own plan again), and that call too is answered
+    unpadded. ``report()["buckets"]``: calls per bucket, plans compiled, the validations, and why
+    bucketing is off when it is. A spec that cannot fit the model (an unknown input name, an
+    input without ``dim``, a size outside the range torch.export allows) raises ``ValueError``.
 
     ``dtype="int8"``: post-training static int8 in one call. ``calibration_data`` (an iterable of
     inputs shaped like ``example_inputs``: tensors, tuples or dicts) is run through the captured
@@ -516,12 +644,25 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 0:
         raise ValueError(f"max_shapes must be an int >= 0, got {max_shapes!r}")
     dt = _resolve_dtype(dtype)
+    dynamic_given = dynamic
+    bucket_spec, implied = None, False
+    if buckets is not None:
+        from .buckets import Buckets
+
+        bucket_spec = Buckets.coerce(buckets)
+        if dynamic is None:
+            dynamic, implied = True, True
+        elif not dynamic:
+            raise ValueError(f"buckets need a dynamic capture: pass dynamic=True (or leave dynamic unset, buckets "
+                             f"imply it), got dynamic={dynamic!r}")
     info = hw.detect()
     if dt == "int8" and info.arch == "aarch64":
         raise NotImplementedError("dtype='int8' runs on x86-64 only for now (FBGEMM / oneDNN int8 kernels); on "
                                   "aarch64 use dtype='bf16' or 'auto'")
     if dt != "int8" and (calibration_data is not None or qconfig_mapping is not None):
         raise ValueError(f"calibration_data and qconfig_mapping are for dtype='int8' (got dtype={dtype!r})")
+    if info.arch == "aarch64" and bucket_spec is not None:
+        raise NotImplementedError("buckets= runs on x86-64 only for now (the aarch64 path plans each shape)")
     if info.arch == "aarch64":
         # aarch64: ACL through torch's own oneDNN; cpu_opt's binding and native kernels are not
         # used there (no oneDNN wheel for aarch64).
@@ -539,6 +680,11 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     if odd:
         raise TypeError(f"example inputs must be tensors or plain constants (bool, int, float, str, None) in "
                         f"tuples/lists/dicts; got {odd}")
+    chosen = None
+    if bucket_spec is not None:
+        from .buckets import check_spec
+
+        chosen = check_spec(bucket_spec, model, args, kwargs)  # bad names / dims raise before any work
     int8 = None
     if dt == "int8":
         int8 = (model, _int8_state or _int8_setup(args, kwargs, calibration_data, qconfig_mapping, autotune))
@@ -557,6 +703,9 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
         from .dynamo import DynamoModule
 
         opt = DynamoModule(model, example_inputs, dtype=dt, capture_error=e, validate=validate, max_shapes=max_shapes)
+        if bucket_spec is not None:
+            opt.bucket_note = ("buckets are not used: the model is captured through dynamo (graph breaks), whose "
+                               "pieces each plan their own shapes")
         if verbose:
             opt.print_report()
         return opt
@@ -564,12 +713,17 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
         if was_training:
             model.train()
     progress.done()
+    if bucket_spec is not None:
+        from .buckets import Bucketing
+
+        opt._bucketing = Bucketing(bucket_spec, implied, validate).setup(
+            model, args, kwargs, opt._captured, chosen, dynamic_capture=opt._options.get("pristine") is not None)
     opt._base_plan.seconds = time.perf_counter() - t0
     for p in opt._plans.values():
         p.first_output = None  # do not keep the example's outputs alive
-    opt._watch_weights(lambda: optimize(model, copies(example_inputs), dtype=dtype, dynamic=dynamic,
-                                        autotune=autotune, verbose=False, validate=validate, max_shapes=max_shapes,
-                                        _int8_state=int8[1] if int8 else None))
+    opt._watch_weights(lambda: optimize(model, copies(example_inputs), dtype=dtype, dynamic=dynamic_given,
+                                        buckets=buckets, autotune=autotune, verbose=False, validate=validate,
+                                        max_shapes=max_shapes, _int8_state=int8[1] if int8 else None))
     if verbose:
         opt.print_report()
     return opt
