@@ -283,6 +283,16 @@ def _mean(ctx: Ctx, n):
     keep = bool(n.args[2]) if len(n.args) > 2 else bool(n.kwargs.get("keepdim", False))
     if n.kwargs.get("dtype") is not None:
         raise LoweringError("mean with dtype")
+    shape = _val(x).shape
+    for d in dims:
+        try:
+            one = bool(shape[int(d)] == 1)
+        except Exception:  # a symbolic size that cannot be decided here: it may be 1
+            one = True
+        if one:
+            # oneDNN 3.2's reduction cannot be created when nothing is reduced, and its Graph
+            # compile then throws a C++ exception through the C API, which aborts the process
+            raise LoweringError(f"mean over dimension {int(d)} of size 1 (oneDNN's reduction refuses it)")
     ctx.op(n, "ReduceMean", [ctx.lt(x)], [ctx.out(n)], axes=[int(d) for d in dims], keep_dims=keep)
 
 

@@ -359,3 +359,34 @@ def test_weights_updated_in_place_after_optimize_are_seen():
     with torch.no_grad():
         cnn.conv.weight.add_(0.5)  # BatchNorm was folded into this weight
     assert _close(optc(xc), cnn(xc).detach())
+
+
+def test_a_mean_over_a_dimension_of_size_one_runs_in_torch_instead_of_aborting():
+    """oneDNN 3.2 cannot create a reduction that reduces nothing, and its Graph compile throws a
+    C++ exception through the C API (the process aborts): lowering must keep such a mean in torch.
+    Run in a child process so that a regression is a failed test, not a dead test session."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch, cpu_opt
+        from torch import nn
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(16, 16)
+            def forward(self, x):
+                return torch.relu(self.fc(x)).mean(1) * 2 + x.mean(-1, keepdim=True).mean(1)
+        torch.manual_seed(0)
+        m = M().eval()
+        x = torch.randn(3, 1, 16)
+        o = cpu_opt.optimize(m, (x,), dtype="fp32")
+        with torch.no_grad():
+            assert torch.allclose(o(x), m(x), atol=1e-5), (o(x) - m(x)).abs().max()
+        why = " ".join(str(f.get("reason", "")) for f in o.report()["fallbacks"])
+        assert "size 1" in why, o.report()["fallbacks"]
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
