@@ -4,4 +4,22 @@ work to oneDNN, the whole graph in torch (and a report that says so) where it do
 import sys
 from pathlib import Path
 
+import pytest
+
+from cpu_opt.backends.onednn_graph import PartitionStep
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture
+def partition_calls(monkeypatch):
+    """The index of every oneDNN Graph partition call made during the test, in order."""
+    calls = []
+    real = PartitionStep.__call__
+
+    def counting(self, *a):
+        calls.append(self.index)
+        return real(self, *a)
+
+    monkeypatch.setattr(PartitionStep, "__call__", counting)
+    return calls

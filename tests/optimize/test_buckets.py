@@ -5,23 +5,9 @@ import torch
 from torch import nn
 
 import cpu_opt
-from cpu_opt.backends.onednn_graph import PartitionStep
 from optimize_testutil import onednn_graph_used
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture
-def partition_calls(monkeypatch):
-    calls = []
-    real = PartitionStep.__call__
-
-    def counting(self, *a):
-        calls.append(self.index)
-        return real(self, *a)
-
-    monkeypatch.setattr(PartitionStep, "__call__", counting)
-    return calls
 
 
 def _bert(max_positions=512):

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 import cpu_opt
-from cpu_opt.backends.onednn_graph import PartitionStep
 from cpu_opt.compiler import pipeline
 from cpu_opt.compiler.capture import CaptureError
 from cpu_opt.compiler.dynamo import DynamoModule
@@ -36,19 +35,6 @@ class Branchy(nn.Module):
 
 def _close(a, b, tol=1e-4):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item() < tol
-
-
-@pytest.fixture
-def partition_calls(monkeypatch):
-    calls = []
-    real = PartitionStep.__call__
-
-    def counting(self, *a):
-        calls.append(self.index)
-        return real(self, *a)
-
-    monkeypatch.setattr(PartitionStep, "__call__", counting)
-    return calls
 
 
 def test_export_refuses_it():
