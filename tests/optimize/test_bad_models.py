@@ -385,8 +385,9 @@ def test_a_mean_over_a_dimension_of_size_one_runs_in_torch_instead_of_aborting()
         with torch.no_grad():
             assert torch.allclose(o(x), m(x), atol=1e-5), (o(x) - m(x)).abs().max()
         why = " ".join(str(f.get("reason", "")) for f in o.report()["fallbacks"])
-        assert "size 1" in why, o.report()["fallbacks"]
+        if ONEDNN:  # elsewhere (an ISA cap, no oneDNN) the whole graph is in torch and says so
+            assert "size 1" in why, o.report()["fallbacks"]
         print("ok")
-    """)
+    """).replace("ONEDNN", repr(onednn_graph_used()))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
