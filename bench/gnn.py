@@ -239,6 +239,20 @@ def _models(f_in, hidden, classes):
     }
 
 
+def adam_step(call, params, x, graph, y, lr: float):
+    """A full-batch training step of ``call(x, graph)`` (cross-entropy against ``y``, Adam)."""
+    opt = torch.optim.Adam(params, lr=lr)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(call(x, graph), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
 def bench_training(rep: Report, n, e, f, threads, repeats, max_seconds, graphs):
     from cpu_opt import gnn
     from cpu_opt.gnn.rmat import node_task
@@ -256,16 +270,7 @@ def bench_training(rep: Report, n, e, f, threads, repeats, max_seconds, graphs):
             steps = {}
             for pname, (model, graph_arg) in paths.items():
                 params = (m_fast if pname == "cpu_opt" else model).parameters()
-                opt = torch.optim.Adam(params, lr=0.01)
-
-                def epoch(model=model, graph_arg=graph_arg, opt=opt):
-                    opt.zero_grad(set_to_none=True)
-                    loss = torch.nn.functional.cross_entropy(model(x, graph_arg), y)
-                    loss.backward()
-                    opt.step()
-                    return loss
-
-                steps[pname] = epoch
+                steps[pname] = adam_step(model, params, x, graph_arg, y, lr=0.01)
             for th in threads:
                 torch.set_num_threads(th)
                 st = measure(steps, warmup=1, repeats=repeats, max_seconds=max_seconds)

@@ -27,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench.gnn import adam_step
 from bench.runner import RESULTS_DIR, Report, bar_chart, measure
 
 
@@ -95,18 +96,8 @@ def bench_training(rep: Report, n: int, e: int, f: int, threads, repeats: int, m
         models = {"pyg": copy.deepcopy(base), "cpu_opt": copy.deepcopy(base), "cpu_opt_unfused": copy.deepcopy(base)}
         callers = {"pyg": models["pyg"], "cpu_opt": gnn.optimize(models["cpu_opt"]),
                    "cpu_opt_unfused": gnn.optimize(models["cpu_opt_unfused"], fused_attention=False)}
-        steps = {}
-        for pname, model in models.items():
-            opt = torch.optim.Adam(model.parameters(), lr=0.005)
-
-            def step(call=callers[pname], opt=opt):
-                opt.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(call(x, ei), y)
-                loss.backward()
-                opt.step()
-                return loss
-
-            steps[pname] = step
+        steps = {pname: adam_step(callers[pname], model.parameters(), x, ei, y, lr=0.005)
+                 for pname, model in models.items()}
         for th in threads:
             torch.set_num_threads(th)
             st = measure(steps, warmup=1, repeats=repeats, max_seconds=max_seconds)

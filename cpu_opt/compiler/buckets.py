@@ -44,8 +44,7 @@ class Buckets:
     ``dim`` is padded. Either way every input dimension that is the same symbol is padded (an input
     ``[batch, seq, seq]`` along both), each with its input's pad value.
 
-    Frozen and hashable; ``pad_values`` may be given as a dict and is stored as sorted pairs
-    (:meth:`pad_value` reads one)."""
+    Frozen and hashable; ``pad_values`` may be given as a dict and is stored as sorted pairs."""
 
     sizes: tuple
     dim: int = 1
@@ -81,9 +80,6 @@ class Buckets:
             raise ValueError(f"Buckets.pad_values names an input twice: {items}")
         object.__setattr__(self, "sizes", sizes)
         object.__setattr__(self, "pad_values", tuple(sorted(items, key=lambda kv: str(kv[0]))))
-
-    def pad_value(self, name, default=0):
-        return dict(self.pad_values).get(name, default)
 
     def bucket_for(self, length: int) -> int | None:
         """The smallest size >= ``length``; ``None`` above the largest."""

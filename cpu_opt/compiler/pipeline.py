@@ -6,6 +6,7 @@ fused, what fell back to torch and why, the route of each partition, and the dty
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import OrderedDict
 import threading
@@ -110,6 +111,18 @@ def _signature(flat) -> tuple:
     return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (type(t), t) for t in flat)
 
 
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    """``model`` in eval mode for the block, put back in train mode after it if it was."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        if was_training:
+            model.train()
+
+
 class OptimizedModule(torch.nn.Module):
     """What :func:`optimize` returns: call it like the original model."""
 
@@ -185,7 +198,7 @@ class OptimizedModule(torch.nn.Module):
                 return out[0] if leaf_out else pytree.tree_unflatten(list(out), self._captured.out_spec)
         flat = self._flat_inputs(args, kwargs)
         out, plan = self._run(args, kwargs, flat, _signature(flat))
-        return pytree.tree_unflatten(list(out), plan.out_spec or self._captured.out_spec)
+        return self._unflatten(out, plan)
 
     def _flat_inputs(self, args, kwargs) -> list:
         flat, spec = pytree.tree_flatten((args, kwargs))
@@ -211,6 +224,10 @@ class OptimizedModule(torch.nn.Module):
             out = plan.program(*tensor_leaves(flat))
         return out, plan
 
+    def _unflatten(self, out, plan):
+        """The flat outputs of ``plan`` in the structure the caller gets."""
+        return pytree.tree_unflatten(list(out), plan.out_spec or self._captured.out_spec)
+
     def _bucketed(self, b, args, kwargs):
         """A call with buckets on: pad to the bucket, run its plan, slice the outputs back; the first
         call of each bucket plan is compared with eager at the true length (a mismatch switches
@@ -220,7 +237,7 @@ class OptimizedModule(torch.nn.Module):
 
         def plain():
             out, plan = self._run(args, kwargs, flat, sig)
-            return pytree.tree_unflatten(list(out), plan.out_spec or self._captured.out_spec)
+            return self._unflatten(out, plan)
 
         def unpadded(why):
             b.count(unbucketed=why)
@@ -240,7 +257,7 @@ class OptimizedModule(torch.nn.Module):
         if bucket == length:  # nothing to pad: the bucket's own plan
             b.count(bucket)
             out, plan = self._run(args, kwargs, flat, sig, on_build=b.plan_built)
-            return pytree.tree_unflatten(list(out), plan.out_spec or self._captured.out_spec)
+            return self._unflatten(out, plan)
         pflat = b.pad(flat, bucket)
         pargs, pkwargs = pytree.tree_unflatten(pflat, self._captured.in_spec)
         psig = _signature(pflat)
@@ -252,7 +269,7 @@ class OptimizedModule(torch.nn.Module):
                           "says they do; each length gets a plan")
             return unpadded("disabled")
         result = pytree.tree_unflatten(out, spec)
-        if psig not in b.validated and self._options.get("validate", True):
+        if psig not in b.validated and b.validate:
             with self._lock:  # one eager run per bucket plan, not one per thread that got there first
                 res = b.validated.get(psig)
                 if res is None:
@@ -268,15 +285,9 @@ class OptimizedModule(torch.nn.Module):
     def _check_bucket(self, result, args, kwargs, length: int, bucket: int) -> dict:
         """Bucketed (sliced) outputs against the model run eagerly at the true, unpadded shape."""
         model = self._model[0]
-        was_training = model.training
-        model.eval()
-        try:
-            with KeptState(model), torch.no_grad():
-                a, k = copies((args, kwargs))
-                ref = model(*a, **k)
-        finally:
-            if was_training:
-                model.train()
+        with _eval_mode(model), KeptState(model), torch.no_grad():
+            a, k = copies((args, kwargs))
+            ref = model(*a, **k)
         res = {"bucket": bucket, "length": length,
                "shapes": [list(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]}
         got = pytree.tree_leaves(result)
@@ -316,16 +327,12 @@ class OptimizedModule(torch.nn.Module):
             if sig in self._plans:
                 return self._plans[sig]
             model = self._model[0]
-            was_training = model.training
-            model.eval()  # a model optimized in train mode is still planned (and compared) in eval mode
-            try:
-                with KeptState(model):  # planning's own runs leave the model's buffers as they were
-                    plan = self._plan_for(model, args, kwargs, flat, sig)
-                    if self._options.get("validate", True):
-                        plan = self._validated(model, plan, args, kwargs, flat, sig)
-            finally:
-                if was_training:
-                    model.train()
+            # a model optimized in train mode is still planned (and compared) in eval mode; planning's
+            # own runs leave the model's buffers as they were
+            with _eval_mode(model), KeptState(model):
+                plan = self._plan_for(model, args, kwargs, flat, sig)
+                if self._options.get("validate", True):
+                    plan = self._validated(model, plan, args, kwargs, flat, sig)
             plan.first_output = None
             self._plans[sig] = plan
             self._plans_built += 1
@@ -688,30 +695,27 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     int8 = None
     if dt == "int8":
         int8 = (model, _int8_state or _int8_setup(args, kwargs, calibration_data, qconfig_mapping, autotune))
-    was_training = model.training
-    model.eval()
     progress = Progress(verbose, 5, f"cpu_opt.optimize({type(model).__name__})")
     t0 = time.perf_counter()
-    try:
-        with KeptState(model) as state:
-            opt = _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbose, validate, max_shapes,
-                            progress, state, int8)
-    except CaptureError as e:
-        if not _dynamo_fallback or dt == "int8":  # int8 calibrates one captured graph; a dynamo piece is its own
-            raise
-        progress.done()
-        from .dynamo import DynamoModule
+    with _eval_mode(model):
+        try:
+            with KeptState(model) as state:
+                opt = _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbose, validate,
+                                max_shapes, progress, state, int8)
+        except CaptureError as e:
+            if not _dynamo_fallback or dt == "int8":  # int8 calibrates one captured graph; a dynamo piece is its own
+                raise
+            progress.done()
+            from .dynamo import DynamoModule
 
-        opt = DynamoModule(model, example_inputs, dtype=dt, capture_error=e, validate=validate, max_shapes=max_shapes)
-        if bucket_spec is not None:
-            opt.bucket_note = ("buckets are not used: the model is captured through dynamo (graph breaks), whose "
-                               "pieces each plan their own shapes")
-        if verbose:
-            opt.print_report()
-        return opt
-    finally:
-        if was_training:
-            model.train()
+            opt = DynamoModule(model, example_inputs, dtype=dt, capture_error=e, validate=validate,
+                               max_shapes=max_shapes)
+            if bucket_spec is not None:
+                opt.bucket_note = ("buckets are not used: the model is captured through dynamo (graph breaks), whose "
+                                   "pieces each plan their own shapes")
+            if verbose:
+                opt.print_report()
+            return opt
     progress.done()
     if bucket_spec is not None:
         from .buckets import Bucketing
