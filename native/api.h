@@ -150,3 +150,8 @@ int64_t KFN(gatv2_forward_bf16_i32)(const int64_t *rowptr, int64_t n_dst, const 
 int64_t KFN(gatv2_backward_bf16_i32)(const int64_t *rowptr, int64_t n_dst, const int32_t *col, const int64_t *colptr, const int64_t *row_t, const int64_t *perm, int64_t n_src, int64_t H, int64_t C, const uint16_t *x_l, const uint16_t *x_r, const uint16_t *att, const uint16_t *mask, double negative_slope, const uint16_t *alpha, const uint16_t *g, uint16_t *grad_x_l, uint16_t *grad_x_r, uint16_t *grad_att, int nthreads, int64_t *bad);
 int64_t KFN(transformer_forward_bf16_i32)(const int64_t *rowptr, int64_t n_dst, const int32_t *col, int64_t n_src, int64_t H, int64_t C, const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *mask, double score_div, uint16_t *out, uint16_t *alpha, int nthreads, int64_t *bad);
 int64_t KFN(transformer_backward_bf16_i32)(const int64_t *rowptr, int64_t n_dst, const int32_t *col, const int64_t *colptr, const int64_t *row_t, const int64_t *perm, int64_t n_src, int64_t H, int64_t C, const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *mask, double score_div, const uint16_t *alpha, const uint16_t *g, uint16_t *grad_q, uint16_t *grad_k, uint16_t *grad_v, int nthreads, int64_t *bad);
+
+/* ---- inference elementwise kernels (native/kernels/eltwise.c) ----
+ * gelu_erf_f32: y = 0.5 x (1 + erf(x / sqrt 2)) over n contiguous floats; y == x works in place
+ * (any other overlap does not). CO_ERR_BAD_ARGUMENT for n < 0, nthreads < 1 or a NULL pointer. */
+int64_t KFN(gelu_erf_f32)(const float *x, float *y, int64_t n, int nthreads);

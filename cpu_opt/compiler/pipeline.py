@@ -107,6 +107,13 @@ def _resolve_dtype(dtype: str) -> str:
     return dtype
 
 
+def _op_name(target) -> str:
+    """``aten.add.Tensor`` for an ATen op, ``cpu_opt.backends.native_eltwise.gelu_`` for a function."""
+    if hasattr(target, "_schema") or not hasattr(target, "__qualname__"):
+        return str(target)
+    return f"{target.__module__}.{target.__qualname__}"
+
+
 def _signature(flat) -> tuple:
     return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (type(t), t) for t in flat)
 
@@ -419,7 +426,7 @@ class OptimizedModule(torch.nn.Module):
                 fallbacks.append({"node": n.name, "op": str(n.target), "reason": why})
             attention = [{"node": n.name, "route": r.backend, "why": r.why} for n, r in low.attention]
             views = len(low.views)
-            routed = [{"node": n.name, "op": str(n.target), "route": b, "why": why} for n, (b, why) in low.routed]
+            routed = [{"node": n.name, "op": _op_name(n.target), "route": b, "why": why} for n, (b, why) in low.routed]
         return {
             "capability": "optimize",
             "dtype": self.dtype,

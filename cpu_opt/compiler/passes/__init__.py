@@ -8,13 +8,17 @@ Each pass takes a GraphModule, rewrites it in place and returns a short log of w
 * :func:`fold_batchnorm` — inference BatchNorm after a convolution or linear layer becomes part
   of its weights and bias
 * :func:`fold_constants` — nodes computed only from parameters/buffers are computed once
+* :func:`fold_linear_scale` — a constant per-output-channel scale after a linear layer (layer
+  scale) becomes part of its weight and bias
 * :func:`cast_params` — floating parameters and buffers converted once (bf16)
 * :func:`route_linears` — GEMMs on constant weights whose route is ``torch_onednn`` become calls to
   torch's own oneDNN (``torch.ops.mkldnn._linear_pointwise``); with ``measure=True`` each weight
   shape is timed on both backends and the faster wins
 * :func:`route_attention` — attention ops to the kernel the attention route names
+* :func:`route_gelu` — the exact GELU after a linear layer outside oneDNN Graph to cpu_opt's
+  vectorized kernel
 
-Files, one per pass family: ``cleanup.py``, ``fold.py``, ``linear.py``, ``attention.py``; ``fx.py``
+Files, one per pass family: ``cleanup.py``, ``fold.py``, ``linear.py``, ``attention.py``, ``eltwise.py``; ``fx.py``
 holds the FX helpers they share (constants of the graph, aliasing).
 """
 from __future__ import annotations
@@ -23,15 +27,17 @@ import torch.fx
 
 from .attention import route_attention
 from .cleanup import drop_dropout, remove_noops
-from .fold import cast_params, fold_batchnorm, fold_constants
+from .eltwise import route_gelu
+from .fold import cast_params, fold_batchnorm, fold_constants, fold_linear_scale
 from .fx import mutated_state, storage_root, writes_in_place
 from .linear import linear_operands, measure_linear, route_linears
 
-__all__ = ["DEFAULT_PASSES", "cast_params", "drop_dropout", "fold_batchnorm", "fold_constants", "linear_operands",
-           "measure_linear", "mutated_state", "remove_noops", "route_attention", "route_linears", "run_passes",
+__all__ = ["DEFAULT_PASSES", "cast_params", "drop_dropout", "fold_batchnorm", "fold_constants", "fold_linear_scale",
+           "linear_operands",
+           "measure_linear", "mutated_state", "remove_noops", "route_attention", "route_gelu", "route_linears", "run_passes",
            "storage_root", "writes_in_place"]
 
-DEFAULT_PASSES = (drop_dropout, remove_noops, fold_batchnorm, fold_constants)
+DEFAULT_PASSES = (drop_dropout, remove_noops, fold_batchnorm, fold_constants, fold_linear_scale)
 
 
 def run_passes(gm: torch.fx.GraphModule, passes=DEFAULT_PASSES) -> list[str]:

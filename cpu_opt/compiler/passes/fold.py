@@ -1,7 +1,9 @@
 """Folding passes: :func:`fold_batchnorm` (inference BatchNorm after a convolution or linear layer
 becomes part of its weights and bias), :func:`fold_constants` (nodes computed only from
-parameters/buffers are computed once) and :func:`cast_params` (floating parameters and buffers
-converted once, for bf16)."""
+parameters/buffers are computed once), :func:`fold_linear_scale` (a constant per-output-channel
+scale after a linear layer, the layer scale of ConvNeXt / CaiT / DeiT-III blocks, becomes part of
+its weight and bias) and :func:`cast_params` (floating parameters and buffers converted once, for
+bf16)."""
 from __future__ import annotations
 
 import operator
@@ -124,6 +126,69 @@ def fold_constants(gm: torch.fx.GraphModule) -> list[str]:
     gm.graph.eliminate_dead_code()
     drop_unused_constants(gm)
     return [f"folded {folded} constant subexpression(s)"] if folded else []
+
+
+def _channel_scale(gm, n, lin, state):
+    """The constant of ``mul(lin, c)`` / ``mul(c, lin)`` as a vector over ``lin``'s output channels
+    (its last dimension), or None: ``c`` must be a float tensor constant of ``lin``'s dtype that only
+    varies along that dimension (shape ``(N,)``, ``(1, .., N)`` or one element)."""
+    other = n.args[1] if n.args[0] is lin else n.args[0]
+    if not isinstance(other, torch.fx.Node) or other.op != "get_attr" or other in state:
+        return None
+    try:
+        c = get_constant(gm, other)
+    except NotConstant:
+        return None
+    vl, vm = lin.meta.get("val"), n.meta.get("val")
+    if not isinstance(c, torch.Tensor) or not isinstance(vl, torch.Tensor) or not isinstance(vm, torch.Tensor):
+        return None
+    out = vl.shape[-1]
+    if c.dtype != vl.dtype or vm.dtype != vl.dtype or tuple(vm.shape) != tuple(vl.shape) or c.dim() > vl.dim():
+        return None
+    if c.numel() == 1:
+        return c.reshape(1).expand(out)
+    if c.dim() == 0 or c.shape[-1] != out or c.numel() != out:
+        return None
+    return c.reshape(out)
+
+
+def fold_linear_scale(gm: torch.fx.GraphModule) -> list[str]:
+    """``linear(x, W, b) * gamma`` with a constant ``gamma`` over the output channels becomes
+    ``linear(x, gamma[:, None] * W, gamma * b)``: one elementwise pass less per block (ConvNeXt's
+    layer scale). Only where the linear layer's result has no other reader."""
+    from .linear import linear_operands
+
+    state = mutated_state(gm)
+    folded = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target != aten.mul.Tensor or len(n.args) != 2:
+            continue
+        lin = next((a for a in n.args if isinstance(a, torch.fx.Node) and a.op == "call_function"
+                    and len(a.users) == 1), None)
+        ops = linear_operands(gm, lin) if lin is not None else None
+        if ops is None or ops[1] in state or (ops[4] is not None and ops[4] in state):
+            continue
+        gamma = _channel_scale(gm, n, lin, state)
+        if gamma is None:
+            continue
+        _x, w, wt, kn, b = ops
+        with torch.no_grad():
+            g64 = gamma.double()
+            new_w = (wt.double() * (g64.reshape(1, -1) if kn else g64.reshape(-1, 1))).to(wt.dtype)
+            bt = get_constant(gm, b)
+            new_b = (bt.double() * g64).to(bt.dtype) if bt is not None else None
+        args = list(lin.args)
+        wpos = 1 if lin.target == aten.linear.default else 2 if lin.target == aten.addmm.default else 1
+        args[wpos] = add_constant(gm, new_w, lin, "w")
+        if new_b is not None:
+            args[0 if lin.target == aten.addmm.default else 2] = add_constant(gm, new_b, lin, "b")
+        lin.args = tuple(args)
+        replace_node(n, lin)
+        folded += 1
+    if folded:
+        gm.graph.eliminate_dead_code()
+        drop_unused_constants(gm)
+    return [f"folded {folded} per-channel scale(s) into linear weights"] if folded else []
 
 
 def cast_params(gm: torch.fx.GraphModule, dtype: torch.dtype) -> list[str]:

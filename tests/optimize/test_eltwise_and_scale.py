@@ -1,0 +1,190 @@
+"""cpu_opt's native GELU (native/kernels/eltwise.c, backends/native_eltwise.py, passes.route_gelu)
+and the folding of a per-channel scale after a linear layer (passes.fold_linear_scale)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cpu_opt
+from cpu_opt import hw, native
+from cpu_opt.backends import native_eltwise
+from cpu_opt.compiler import passes
+from cpu_opt.compiler.capture import capture
+
+aten = torch.ops.aten
+
+
+def runnable():
+    info = hw.detect()
+    return [v for v in native.compiled_variants() if native.VARIANT_REQUIRES[v] <= info.isa_uncapped]
+
+
+def _gelu(x, variant, out=None):
+    y = torch.empty_like(x) if out is None else out
+    st = native.kernel("gelu_erf_f32", variant)(native.ptr(x, "float *"), native.ptr(y, "float *"), x.numel(), 2)
+    native.check(st, "gelu_erf_f32")
+    return y
+
+
+@pytest.mark.parametrize("variant", runnable())
+def test_gelu_kernel_matches_float64_gelu_in_every_variant(variant):
+    x = torch.linspace(-12, 12, 400_003)  # odd length: the vector body and the scalar tail
+    ref = F.gelu(x.double())
+    got = _gelu(x, variant).double()
+    err = (got - ref).abs()
+    assert err.max() < 2e-6, err.max()
+    big = x > -2  # where GELU is not a cancellation of 1 + erf (below, torch loses digits too)
+    rel = err[big] / ref[big].abs().clamp_min(1e-3)
+    assert rel.max() < 1e-5, rel.max()
+    assert torch.equal(got[x == 0], torch.zeros(int((x == 0).sum()), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 33, 32768 * 2 + 5])
+def test_gelu_kernel_lengths_and_in_place(n):
+    torch.manual_seed(n)
+    x = torch.randn(n) * 3
+    for v in runnable():
+        out = _gelu(x, v)
+        assert torch.allclose(out, F.gelu(x), rtol=1e-5, atol=2e-6), v
+        y = x.clone()
+        _gelu(y, v, out=y)  # in place: the same numbers
+        assert torch.equal(y, out), v
+
+
+def test_gelu_kernel_refuses_bad_arguments():
+    k = native.kernel("gelu_erf_f32")
+    x = torch.randn(8)
+    p = native.ptr(x, "float *")
+    assert k(p, p, -1, 1) == -2   # CO_ERR_BAD_ARGUMENT
+    assert k(p, p, 8, 0) == -2
+    assert k(native.ffi().NULL, p, 8, 1) == -2
+    assert k(native.ffi().NULL, native.ffi().NULL, 0, 1) == 0  # nothing to do
+
+
+def test_gelu_wrapper_checks_dtype_and_layout():
+    x = torch.randn(6, 10)
+    with pytest.raises(TypeError, match="contiguous float32"):
+        native_eltwise._run(x.double(), x.double())
+    with pytest.raises(TypeError, match="contiguous float32"):
+        native_eltwise._run(x.t(), torch.empty(10, 6))
+    # the public functions hand what the kernel does not take to torch
+    assert torch.equal(native_eltwise.gelu(x.t()), F.gelu(x.t()))
+    assert torch.equal(native_eltwise.gelu(x.double()), F.gelu(x.double()))
+
+
+class FFN(nn.Module):
+    """Linear -> GELU -> Linear (the transformer feed-forward), with a second reader of the first
+    layer's output when ``tap`` (so the GELU must not overwrite it)."""
+
+    def __init__(self, tap=False, approximate="none"):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(256, 1024), nn.Linear(1024, 256)
+        self.tap, self.approximate = tap, approximate
+
+    def forward(self, x):
+        h = self.fc1(x)
+        y = self.fc2(F.gelu(h, approximate=self.approximate))
+        return (y, h.sum(-1)) if self.tap else y
+
+
+def _gelu_routes(opt):
+    return [r for r in opt.report()["routed"] if r["route"] == "native"]
+
+
+@pytest.mark.parametrize("tap", [False, True])
+def test_gelu_after_a_routed_linear_runs_on_the_native_kernel(tap, monkeypatch):
+    torch.manual_seed(0)
+    m = FFN(tap=tap).eval()
+    x = torch.randn(2, 128, 256)
+    calls = []
+    real = native_eltwise._run
+    monkeypatch.setattr(native_eltwise, "_run", lambda a, b: calls.append(a is b) or real(a, b))
+    opt = cpu_opt.optimize(m, x)
+    ref = m(x)
+    calls.clear()
+    out = opt(x)
+    outs, refs = (out, ref) if tap else ((out,), (ref,))
+    for o, r in zip(outs, refs):
+        assert ((o - r).abs().max() / r.abs().max()) < 1e-5
+    rep = opt.report()
+    linear_routes = {r["route"] for r in rep["routed"] if r["route"] != "native"}
+    if native_eltwise.available() and linear_routes & {"torch_onednn", "torch"}:
+        assert len(_gelu_routes(opt)) == 1, rep["routed"]
+        assert calls == [not tap], calls  # it ran, and in place only when nothing else reads h
+    else:  # the GELU stays where the linear layer is (oneDNN fuses it) or in torch
+        assert not _gelu_routes(opt) and not calls
+    out2 = opt(x)  # a second call leaves the first call's results alone
+    for o, r in zip(outs, refs):
+        assert ((o - r).abs().max() / r.abs().max()) < 1e-5
+    del out2
+
+
+def test_tanh_gelu_is_not_routed():
+    torch.manual_seed(0)
+    m = FFN(approximate="tanh").eval()
+    x = torch.randn(2, 128, 256)
+    opt = cpu_opt.optimize(m, x)
+    assert ((opt(x) - m(x)).abs().max() / m(x).abs().max()) < 1e-5
+    assert not _gelu_routes(opt)
+
+
+class LayerScale(nn.Module):
+    """ConvNeXt's block end: linear, then a learnt per-channel scale (``gamma * x``), in either
+    operand order; and scales that are not per output channel (must stay)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.fc = nn.Linear(32, 48)
+        self.kind = kind
+        self.gamma = nn.Parameter(torch.rand(48) + 0.5)
+        self.rows = nn.Parameter(torch.rand(10, 1) + 0.5)
+        self.scalar = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.kind == "channel":
+            return self.gamma * h
+        if self.kind == "channel_right":
+            return h * self.gamma.view(1, 1, 48)
+        if self.kind == "scalar":
+            return h * self.scalar
+        if self.kind == "rows":       # varies along another dimension: not a weight scale
+            return h * self.rows
+        if self.kind == "two_readers":  # h is read again: folding would change that reader
+            return self.gamma * h + h
+        raise ValueError(self.kind)
+
+
+def _passes_on(m, x):
+    cap = capture(m, (x,))
+    log = passes.run_passes(cap.gm)
+    muls = [n for n in cap.gm.graph.nodes if n.op == "call_function" and n.target == aten.mul.Tensor]
+    return cap.gm, log, muls
+
+
+@pytest.mark.parametrize("kind,folds", [("channel", True), ("channel_right", True), ("scalar", True),
+                                        ("rows", False), ("two_readers", False)])
+def test_per_channel_scale_after_linear_folds_into_the_weights(kind, folds):
+    torch.manual_seed(0)
+    m = LayerScale(kind).eval()
+    x = torch.randn(3, 10, 32)
+    gm, log, muls = _passes_on(m, x)
+    assert (not muls) == folds, (kind, log)
+    assert any("per-channel scale" in line for line in log) == folds, log
+    with torch.no_grad():
+        ref = m(x)
+        got = gm(x)
+        got = got[0] if isinstance(got, (tuple, list)) else got
+        assert (got - ref).abs().max() < 1e-5 * ref.abs().max()
+        opt = cpu_opt.optimize(m, x)
+        assert (opt(x) - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
+def test_scale_fold_leaves_the_model_parameters_alone():
+    torch.manual_seed(0)
+    m = LayerScale("channel").eval()
+    w, b, g = m.fc.weight.detach().clone(), m.fc.bias.detach().clone(), m.gamma.detach().clone()
+    x = torch.randn(3, 10, 32)
+    opt = cpu_opt.optimize(m, x)
+    opt(x)
+    assert torch.equal(m.fc.weight, w) and torch.equal(m.fc.bias, b) and torch.equal(m.gamma, g)
