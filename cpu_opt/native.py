@@ -80,6 +80,15 @@ def select_variant(info: hw.CPUInfo | None = None) -> str:
     return "base"
 
 
+def vectorized() -> bool:
+    """Does this CPU run a vectorized variant (avx2, avx512) of the kernels? The base variant is
+    plain C: where cpu_opt's own kernels compete with torch's (GELU, GEMV), only the vector ones do."""
+    try:
+        return select_variant() in ("avx2", "avx512")
+    except Exception:  # noqa: BLE001 - no native build: not vectorized
+        return False
+
+
 def kernel(name: str, variant: str | None = None):
     """The C function ``name_<variant>``; ``variant`` defaults to :func:`select_variant`."""
     v = variant or select_variant()

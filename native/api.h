@@ -155,3 +155,9 @@ int64_t KFN(transformer_backward_bf16_i32)(const int64_t *rowptr, int64_t n_dst,
  * gelu_erf_f32: y = 0.5 x (1 + erf(x / sqrt 2)) over n contiguous floats; y == x works in place
  * (any other overlap does not). CO_ERR_BAD_ARGUMENT for n < 0, nthreads < 1 or a NULL pointer. */
 int64_t KFN(gelu_erf_f32)(const float *x, float *y, int64_t n, int nthreads);
+
+/* ---- decode-step GEMV (native/kernels/gemv.c) ----
+ * gemv_f32: y (M x N) = x (M x K) W^T + bias, 1 <= M <= 8, W K x N row-major when w_kn = 1, N x K
+ * when w_kn = 0; bias N floats or NULL; all row-major and dense. CO_ERR_BAD_ARGUMENT for sizes out
+ * of range or a NULL x / w / y, CO_ERR_NO_MEMORY when the per-thread partials cannot be allocated. */
+int64_t KFN(gemv_f32)(const float *x, int64_t M, int64_t K, const float *w, int64_t N, int w_kn, const float *bias, float *y, int nthreads);

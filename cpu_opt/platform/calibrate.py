@@ -135,6 +135,11 @@ def _linear(dtype: str, dims) -> Built:
     _admit(out, "onednn", ours, check)
     _admit(out, "torch_onednn", lambda: (lambda: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")), check)
     _admit(out, "torch", lambda: (lambda: F.linear(x, w, b)), check)
+    from .. import native
+    from ..backends import native_linear
+
+    if dtype == "fp32" and m <= native_linear.MAX_ROWS and native.vectorized():
+        _admit(out, "native", lambda: (lambda: native_linear.linear(x, w, b, False)), check)
     return out
 
 

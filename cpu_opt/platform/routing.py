@@ -8,6 +8,7 @@ Backends:
 ``onednn``        cpu_opt's own oneDNN binding (primitives / Graph API, weights packed once)
 ``torch``         PyTorch's own kernel for the op (MKL/oneDNN-inside-torch/ATen)
 ``torch_onednn``  torch's own, newer oneDNN (3.12, linked into torch) through ``torch.ops.mkldnn._linear_pointwise``
+``native``        cpu_opt's own kernels (``native/``): the decode-step GEMV
 ``torch_flash``   torch's fused CPU flash-attention kernel (``scaled_dot_product_attention``)
 ``bf16_matmul_softmax``  attention as bf16 matmul -> softmax -> bf16 matmul
 ``fbgemm``        torch's x86 int8 engine (FBGEMM)
@@ -60,6 +61,8 @@ VNNI = (frozenset({"avx512_vnni"}), frozenset({"amx_int8"}), frozenset({"avx_vnn
 LINEAR_TORCH_MIN_ROWS = 4
 # Below this many multiply-adds (rows x K x N) a linear layer stays on torch's addmm (see the rule).
 SMALL_GEMM_MACS = 16_000_000
+# Below this many multiply-adds a GEMV runs on cpu_opt's own kernel (see the rule).
+GEMV_NATIVE_MAX_MACS = 32_000_000
 
 # Where each rule's figures come from. Rules name the CPU they were measured on; a rule for a CPU
 # no session had says so. Re-measure with `python -m cpu_opt calibrate` (whose profile then
@@ -95,6 +98,16 @@ RULES: tuple[Rule, ...] = (
          f"are exact: FBGEMM with reduce_range, torch's x86 default); see the linear int8 rows, {ZEN3}", any_of=(AVX2,)),
     Rule("gemm", "int8", "torch", f"no AVX2: torch's reference quantized kernels ({UNMEASURED})"),
     # ---------------------------------------------------------------- linear layers (constant weights)
+    Rule("linear", "fp32", "native",
+         "a GEMV (1-3 rows, a language model's decode step) under 32M multiply-adds: the time is the weight "
+         "stream, and cpu_opt's GEMV reads one contiguous stretch of the weight per thread. ms for 1 row, "
+         "weights not in cache, cpu_opt's GEMV / cpu_opt's oneDNN / torch's oneDNN / addmm: 768x2304 (GPT-2 "
+         "c_attn) 0.43 / 0.59 / 0.55 / 0.63; 768x3072 0.53 / 0.73 / 0.74 / 0.93; 3072x768 0.55-0.63 / 0.80 / "
+         "0.70 / 1.03; 4096x4096 3.8 / 4.4 / 4.8 / 5.5 "
+         f"({ZEN3}). The 768x50257 LM head is faster on cpu_opt's oneDNN (7.4-8.6 ms against 9.6-10.8 "
+         "for its (N, K) weight): the rule below. Not measured on AVX-512 (run calibrate there), where the "
+         "rules below stay", any_of=(AVX2,), none_of=frozenset({"avx512f"}),
+         max_rows=LINEAR_TORCH_MIN_ROWS - 1, max_macs=GEMV_NATIVE_MAX_MACS),
     Rule("linear", "fp32", "torch",
          "a small GEMM (under 16M multiply-adds): each oneDNN call costs 30-60 us more than torch's addmm, which "
          "the work does not earn back: 64x128x512 addmm 126 us, torch's oneDNN 171, cpu_opt's 198; 128x256x256 "

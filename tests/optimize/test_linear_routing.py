@@ -8,7 +8,7 @@ from torch import nn
 
 import cpu_opt
 import optimize_testutil
-from cpu_opt import hw, routing
+from cpu_opt import hw, native, routing
 from cpu_opt.compiler import passes
 from cpu_opt.compiler.passes import linear as linear_pass
 from cpu_opt.compiler.capture import capture
@@ -77,9 +77,9 @@ def test_new_shape_and_bigger_batch_after_routing():
     assert _rel(opt(x), m(x).detach()) < 1e-5
 
 
-@pytest.mark.parametrize("winner", ["onednn", "torch_onednn"])
+@pytest.mark.parametrize("winner", ["onednn", "torch_onednn", "native"])
 def test_measured_route_takes_the_faster(monkeypatch, winner):
-    loser = "onednn" if winner == "torch_onednn" else "torch_onednn"
+    loser = "onednn" if winner != "onednn" else "torch_onednn"
     seen = []
 
     def fake(m, k, n, bias, repeats=7):
@@ -95,9 +95,10 @@ def test_measured_route_takes_the_faster(monkeypatch, winner):
     # (M, K, N, bias) of the three layers on constant weights, from the captured shapes
     assert sorted(seen) == [(6, 24, 32, True), (6, 32, 40, True), (6, 40, 16, False)]
     chosen = [n.meta["cpu_opt_route"] for n in gm.graph.nodes if "cpu_opt_route" in n.meta]
-    assert [b for b, _ in chosen] == [winner] * 3
+    expect = "torch" if winner == "native" and not native.vectorized() else winner  # no vector kernels: torch
+    assert [b for b, _ in chosen] == [expect] * 3
     assert all("measured on this shape" in why for _, why in chosen)
-    assert bool(log) == (winner == "torch_onednn")
+    assert bool(log) == (winner != "onednn")
     assert _rel(gm(x)[0], m(x).detach()) < 1e-5
     # optimize(autotune=True) measures the same way
     seen.clear()
@@ -106,9 +107,12 @@ def test_measured_route_takes_the_faster(monkeypatch, winner):
 
 
 def test_measure_linear_times_both_backends():
-    t = passes.measure_linear(8, 16, 12, True, repeats=3)
+    t = passes.measure_linear(16, 16, 12, True, repeats=3)
     assert set(t) == {"onednn", "torch_onednn"} and all(v > 0 for v in t.values())
-    assert passes.measure_linear(8, 16, 12, True, repeats=3) is t  # cached per shape
+    assert passes.measure_linear(16, 16, 12, True, repeats=3) is t  # cached per shape
+    # a GEMV-sized layer also times cpu_opt's GEMV where the vector kernels run
+    t = passes.measure_linear(2, 16, 12, True, repeats=3)
+    assert set(t) == {"onednn", "torch_onednn"} | ({"native"} if native.vectorized() else set())
 
 
 def test_bf16_and_float64_are_not_rerouted():
@@ -136,7 +140,7 @@ def test_zen5_capped_to_avx2_moves_linears_to_torch_onednn():
 
 def test_each_plan_routes_its_layers_for_its_own_row_count():
     """A GEMV (1 row) and a 4-row batch of the same model take the table's route for their row
-    count (on AVX2: cpu_opt's oneDNN for the GEMV, torch's oneDNN from 4 rows), each plan its own."""
+    count (on AVX2: cpu_opt's native GEMV for the 1-row one, torch's oneDNN from 4 rows), each plan its own."""
     m = nn.Sequential(nn.Linear(24, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
     x = torch.randn(routing.LINEAR_TORCH_MIN_ROWS, 24)
     one = cpu_opt.optimize(m, torch.randn(1, 24), dtype="fp32")
@@ -144,6 +148,7 @@ def test_each_plan_routes_its_layers_for_its_own_row_count():
     assert len(one._plans) == 2
     for rows, plan in ((s[0][0][0], p) for s, p in one._plans.items()):
         want = [routing.route("linear", "fp32", rows=rows, macs=rows * k * n).backend for k, n in ((24, 32), (32, 8))]
+        want = ["torch" if w == "native" and not native.vectorized() else w for w in want]
         if plan.lowered is None:  # routing kept the whole graph in torch
             assert not optimize_testutil.onednn_graph_used()
             continue
@@ -154,11 +159,13 @@ def test_each_plan_routes_its_layers_for_its_own_row_count():
 
 def test_table_gives_gemvs_their_own_rule_on_avx2():
     z3 = hw.build_info((FIX / "amd_zen3.txt").read_text())
-    assert routing.route("linear", "fp32", z3, rows=1).backend == "onednn"
-    assert routing.route("linear", "fp32", z3, rows=1, macs=4096 * 4096).backend == "onednn"
+    assert routing.route("linear", "fp32", z3, rows=1, macs=768 * 2304).backend == "native"  # decode: the GEMV kernel
+    assert routing.route("linear", "fp32", z3, rows=1).backend == "onednn"  # size unknown: the GEMV rule
+    assert routing.route("linear", "fp32", z3, rows=1, macs=4096 * 4096).backend == "native"
+    assert routing.route("linear", "fp32", z3, rows=1, macs=768 * 50257).backend == "onednn"  # a wide LM head
     assert routing.route("linear", "fp32", z3, rows=64, macs=64 * 128 * 512).backend == "torch"  # small: addmm
     assert routing.route("linear", "fp32", z3, rows=128, macs=128 * 768 * 768).backend == "torch_onednn"
-    assert routing.route("linear", "fp32", z3, rows=routing.LINEAR_TORCH_MIN_ROWS - 1).backend == "onednn"
+    assert routing.route("linear", "fp32", z3, rows=routing.LINEAR_TORCH_MIN_ROWS - 1, macs=10**6).backend == "native"
     assert routing.route("linear", "fp32", z3, rows=routing.LINEAR_TORCH_MIN_ROWS).backend == "torch_onednn"
     assert routing.route("linear", "fp32", z3).backend == "torch_onednn"  # no rows: the many-row rule
     z5 = hw.build_info((FIX / "amd_zen5.txt").read_text())

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ... import native
+from ...backends import native_linear
 from ...backends.torch_onednn import TORCH_LINEAR, packed_linear_weight
 from .fx import NotConstant, add_constant, drop_unused_constants, get_constant, node_value, replace_node
 
@@ -46,11 +48,13 @@ def linear_operands(gm, n, dtype: torch.dtype = torch.float32):
 
 
 _LINEAR_TIMES: dict = {}
+_MEASURED_NAMES = {"onednn": "cpu_opt oneDNN", "torch_onednn": "torch's oneDNN", "native": "cpu_opt's GEMV"}
 
 
 def measure_linear(m: int, k: int, n: int, bias: bool, repeats: int = 7) -> dict:
-    """Median seconds of ``(m, k) @ (k, n)`` on cpu_opt's oneDNN 3.2 (packed weights) and on torch's
-    oneDNN (``_linear_pointwise``), interleaved on the same random tensors; cached per shape."""
+    """Median seconds of ``(m, k) @ (k, n)`` on cpu_opt's oneDNN 3.2 (packed weights), on torch's
+    oneDNN (``_linear_pointwise``) and, for a GEMV, on cpu_opt's own kernel, interleaved on the same
+    random tensors; cached per shape."""
     key = (m, k, n, bias, torch.get_num_threads())
     if key in _LINEAR_TIMES:
         return _LINEAR_TIMES[key]
@@ -63,6 +67,8 @@ def measure_linear(m: int, k: int, n: int, bias: bool, repeats: int = 7) -> dict
     b = torch.randn(n, generator=g) if bias else None
     ours = Matmul.from_linear(w, b)
     fns = {"onednn": lambda: ours(x), "torch_onednn": lambda: TORCH_LINEAR(x, w, b, "none", [], "")}
+    if m <= native_linear.MAX_ROWS and native.vectorized():
+        fns["native"] = lambda: native_linear.linear(x, w, b, False)
     times = {name: [] for name in fns}
     for f in fns.values():
         f()  # create and pack outside the timing
@@ -82,12 +88,14 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
 
     Each layer records ``(backend, why)`` in ``node.meta["cpu_opt_route"]``: ``onednn`` stays for
     lowering into oneDNN Graph partitions; ``torch_onednn`` becomes ``mkldnn._linear_pointwise(x, W,
-    b)`` with ``W`` an (N, K) buffer (fp32 only); ``torch`` stays the ATen op, run by torch."""
+    b)`` with ``W`` an (N, K) buffer (fp32 only); ``native`` becomes cpu_opt's GEMV
+    (:func:`cpu_opt.backends.native_linear.linear`, the weight in the model's layout); ``torch`` stays
+    the ATen op, run by torch."""
     from ...platform import routing
 
     if dtype not in ("fp32", "bf16"):
         return []
-    moved = kept = in_torch = 0
+    moved = kept = in_torch = gemv = 0
     for n in list(gm.graph.nodes):
         ops = linear_operands(gm, n, torch.float32 if dtype == "fp32" else torch.bfloat16)
         if ops is None:
@@ -101,10 +109,22 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
         if measure and vx.numel() > 0 and dtype == "fp32":
             t = measure_linear(rows, w_nk.shape[1], w_nk.shape[0], b is not None)
             backend = min(t, key=t.get)
-            why = (f"measured on this shape: cpu_opt oneDNN {t['onednn'] * 1e3:.3f} ms, "
-                   f"torch's oneDNN {t['torch_onednn'] * 1e3:.3f} ms")
+            why = "measured on this shape: " + ", ".join(f"{_MEASURED_NAMES.get(k, k)} {v * 1e3:.3f} ms"
+                                                         for k, v in t.items())
         if backend == "torch_onednn" and dtype != "fp32":
             backend, why = "onednn", f"torch's oneDNN linear is wired for fp32 only; {why}"
+        if backend == "native" and (dtype != "fp32" or not native.vectorized()):
+            backend, why = "torch", f"cpu_opt's GEMV runs fp32 on its vector kernels only; {why}"
+        if backend == "native":
+            with gm.graph.inserting_before(n):
+                new = gm.graph.call_function(native_linear.Gemv(kn), (x, w, b))
+            new.meta = dict(n.meta)
+            new.meta["cpu_opt_route"] = ("native", why)
+            name = n.name
+            replace_node(n, new)
+            new._rename(name)
+            gemv += 1
+            continue
         if backend not in ("torch_onednn", "torch"):
             n.meta["cpu_opt_route"] = ("onednn", why)
             kept += 1
@@ -125,7 +145,7 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
         replace_node(n, new)
         new._rename(name)  # the report names the layer as the captured graph did
         moved += 1
-    if not moved and not in_torch:
+    if not moved and not in_torch and not gemv:
         return []
     gm.graph.eliminate_dead_code()
     drop_unused_constants(gm)
@@ -133,4 +153,5 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
     how = "measured per shape" if measure else "routing"
     parts = [f"{moved} linear layer(s) on torch's oneDNN 3.12"] if moved else []
     parts += [f"{in_torch} in torch's own kernels"] if in_torch else []
+    parts += [f"{gemv} GEMV(s) on cpu_opt's native kernel"] if gemv else []
     return [", ".join(parts) + f", {kept} on cpu_opt's oneDNN ({how})"]
