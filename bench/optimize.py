@@ -119,7 +119,11 @@ def openvino_compile(model: torch.nn.Module, example_inputs, dtype: str) -> Call
 
     args = tuple(example_inputs[k] for k in names) if names else tuple(example_inputs)
     with torch.no_grad():
-        ovm = ov.convert_model(_Positional(model).eval(), example_input=args)
+        try:
+            ovm = ov.convert_model(_Positional(model).eval(), example_input=args)
+        except Exception:  # noqa: BLE001 - its TorchScript tracing refuses some models (HF GPT-2 in
+            # transformers 5: "Conversion is failed for: prim::Constant"); OpenVINO also takes torch.export's
+            ovm = ov.convert_model(torch.export.export(_Positional(model).eval(), args, strict=False))
     cfg = {"INFERENCE_PRECISION_HINT": "f32" if dtype == "fp32" else "bf16", "PERFORMANCE_HINT": "LATENCY",
            "INFERENCE_NUM_THREADS": torch.get_num_threads()}
     compiled = ov.Core().compile_model(ovm, "CPU", cfg)
