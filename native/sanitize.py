@@ -18,7 +18,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 OUT = ROOT / "build" / "asan"
 DEFAULT_TESTS = ["tests/test_native.py", "tests/gnn", "tests/fuzz/test_fuzz_gnn.py", "tests/dnnl/test_primitives.py",
-                 "tests/dnnl/test_graph.py", "tests/fuzz/test_fuzz_dnnl.py"]
+                 "tests/dnnl/test_graph.py", "tests/fuzz/test_fuzz_dnnl.py",
+                 "tests/optimize/test_native_gemv.py", "tests/optimize/test_eltwise_and_scale.py"]
 
 
 def build() -> Path:
