@@ -66,7 +66,9 @@ def lib():
     return _module().lib
 
 
+@functools.lru_cache(maxsize=None)
 def compiled_variants() -> tuple[str, ...]:
+    """The variants the loaded library was built with (fixed once it is loaded)."""
     return tuple(ffi().string(lib().co_native_variants()).decode().split(","))
 
 
@@ -98,10 +100,16 @@ def kernel(name: str, variant: str | None = None):
     if missing:
         # Running it would die on an illegal instruction: refuse instead.
         raise RuntimeError(f"native variant {v!r} needs {sorted(missing)}, which this CPU lacks")
-    try:
-        return getattr(lib(), f"{name}_{v}")
-    except AttributeError:
-        raise AttributeError(f"native kernel {name!r} has no variant {v!r}") from None
+    fn = _resolved.get((name, v))
+    if fn is None:
+        try:
+            fn = _resolved[(name, v)] = getattr(lib(), f"{name}_{v}")
+        except AttributeError:
+            raise AttributeError(f"native kernel {name!r} has no variant {v!r}") from None
+    return fn
+
+
+_resolved: dict = {}  # (name, variant) -> the library's function: cffi's attribute lookup is not free
 
 
 def check(status: int, what: str, detail: str = "") -> None:

@@ -18,9 +18,11 @@
   heads) in one native kernel, forward and backward, without an E x H x C message tensor
   (:func:`attention_layers`); self-loops and dropout exactly as PyG's layer (the dropout mask is
   drawn by torch in PyG's edge order);
-* the model's Linear layers (torch's and PyG's) run on torch's own oneDNN 3.12
+* the model's Linear layers (torch's and PyG's) on node features run on cpu_opt's tall-skinny
+  GEMM (``native/kernels/tsgemm.c``: forward, input gradient, weight and bias gradients in one
+  pass) on AVX2 machines without AVX-512, else on torch's own oneDNN 3.12
   (``mkldnn._linear_pointwise``, forward and input gradient) where the routing table sends fp32
-  linear layers there (AVX2 machines): :func:`linear`.
+  linear layers there: :func:`linear`.
 
 PyG binds ``scatter``, ``spmm`` and ``gcn_norm`` by name into many modules, so patching
 ``torch_geometric.utils`` alone would change nothing: :func:`patched` swaps every bound name (in
@@ -43,6 +45,8 @@ from collections import Counter, OrderedDict
 import torch
 
 from cpu_opt import native
+from cpu_opt.backends import native_linear
+from cpu_opt.platform import hw
 
 from . import _kernels as K
 from . import ops
@@ -245,6 +249,63 @@ class _OneDNNLinear(torch.autograd.Function):
         return gx, gw, gb
 
 
+class _NativeLinear(torch.autograd.Function):
+    """``F.linear`` on cpu_opt's tall-skinny GEMM (``native/kernels/tsgemm.c``): node-feature
+    layers, 10^4+ rows by a few dozen features. The weight and bias gradients run in one pass over
+    ``g`` and ``x``; the forward and the input gradient where their inner dimension is at most
+    :data:`NATIVE_LINEAR_MAX_K` (wider ones are compute-bound, where torch's oneDNN wins)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        w = weight.contiguous()
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = bias is not None
+        if w.shape[1] <= NATIVE_LINEAR_MAX_K:
+            return native_linear.ts_linear(x, w, None if bias is None else bias.contiguous())
+        return _torch_linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g = g.contiguous()
+        need_x, need_w, need_b = ctx.needs_input_grad
+        need_b = need_b and ctx.has_bias
+        if torch.is_grad_enabled():  # create_graph=True: differentiable ops
+            return (g.mm(w) if need_x else None, g.t().mm(x) if need_w else None, g.sum(0) if need_b else None)
+        gx = gw = gb = None
+        if need_x:
+            gx = native_linear.ts_matmul(g, w) if w.shape[0] <= NATIVE_LINEAR_MAX_K else \
+                _torch_linear(g, w.t().contiguous(), None)
+        if need_w:
+            gw, gb = native_linear.ts_weight_grad(g, x, bias=need_b)
+        elif need_b:
+            gb = g.sum(0)
+        return gx, gw, gb
+
+
+def _torch_linear(x, w, b):
+    if torch.backends.mkldnn.is_available():
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return torch.nn.functional.linear(x, w, b)
+
+
+# The forward and input-gradient GEMMs of _NativeLinear take inner dimensions up to this; above
+# it torch's oneDNN is faster. Measured on the AMD EPYC Zen 3 (AVX2), 2 threads, 100k rows, ms,
+# cpu_opt / torch's oneDNN / addmm: K x N 64x64 6.2 / 6.8 / 11.3; 64x8 2.7 / 3.6 / 5.0; 8x64 1.4 / 2.4 /
+# 4.2; 64x128 14-16 / 44-46 / 47-51; but 128x64 20-21 / 17.5-20 / 23-25. Weight gradients
+# (g^T x over the 100k rows; cpu_opt / mm): 64x64 10.5-12.8 / 14.5-17.2; 8x64 3.2-5.5 / 6.6-8.2;
+# 64x8 4.2-6.1 / 38-52; 128x64 19-24 / 24-30.
+NATIVE_LINEAR_MAX_K = 64
+
+
+@functools.lru_cache(maxsize=None)
+def _native_linear_route() -> bool:
+    """Whether node-feature linear layers run on cpu_opt's tall-skinny GEMM here: a vectorized
+    build on an AVX2 CPU without AVX-512 (measured on Zen 3 only; on AVX-512 torch's oneDNN has
+    kernels twice as wide, which this AVX2 code was not measured against)."""
+    return native.vectorized() and "avx512f" not in hw.detect().isa
+
+
 @functools.lru_cache(maxsize=None)
 def _onednn_linear_route() -> bool:
     """Whether fp32 linear layers go to torch's oneDNN on this machine (decided once: the routing
@@ -264,7 +325,8 @@ ONEDNN_LINEAR_MIN_ROWS = 16384
 
 
 def linear(x, weight, bias=None):
-    """``torch.nn.functional.linear``; on torch's oneDNN 3.12 where the routing table sends fp32
+    """``torch.nn.functional.linear``; on cpu_opt's tall-skinny GEMM (:class:`_NativeLinear`) on
+    AVX2 CPUs without AVX-512, else on torch's oneDNN 3.12 where the routing table sends fp32
     linear layers there (``routing.route("linear", "fp32")``, AVX2 machines), for 2-D float32
     inputs of at least ``ONEDNN_LINEAR_MIN_ROWS`` rows. Measured here (100k rows, K=64,
     N=8..128, ``torch.addmm`` against ``mkldnn._linear_pointwise``, medians): 1.1-1.9x at 1 thread,
@@ -273,9 +335,13 @@ def linear(x, weight, bias=None):
             and x.device.type == "cpu" and x.shape[0] >= ONEDNN_LINEAR_MIN_ROWS
             and not isinstance(weight, torch.nn.parameter.UninitializedParameter)
             and (bias is None or bias.dtype == torch.float32) and not torch.compiler.is_compiling()
-            and _onednn_linear_route()):
-        _counts["linear: torch's oneDNN"] += 1
-        return _OneDNNLinear.apply(x.contiguous(), weight, bias)
+            and (_native_linear_route() or _onednn_linear_route())):
+        if _native_linear_route() and native_linear.ts_fits(*weight.shape):
+            _counts["linear: cpu_opt tall-skinny GEMM"] += 1
+            return _NativeLinear.apply(x.contiguous(), weight, bias)
+        if _onednn_linear_route():
+            _counts["linear: torch's oneDNN"] += 1
+            return _OneDNNLinear.apply(x.contiguous(), weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -292,10 +358,88 @@ def linear_layers(model: torch.nn.Module) -> dict:
     """``{module: forward}`` for the Linear layers of ``model`` (torch's and PyG's)."""
     from torch_geometric.nn.dense.linear import Linear as PygLinear
 
-    if not _onednn_linear_route():
+    if not (_native_linear_route() or _onednn_linear_route()):
         return {}
     return {m: _linear_forward for m in model.modules()
             if type(m) in (torch.nn.Linear, PygLinear) and "forward" not in m.__dict__}
+
+
+class _NativeLinearSum(torch.autograd.Function):
+    """``F.linear(a1, w1, b1) + F.linear(a2, w2, b2)`` on the tall-skinny GEMM, both products summed
+    in registers and the output written once (no second 100k-row tensor, no separate add); in
+    backward one column sum of ``g`` serves both biases. SAGEConv's ``lin_l(aggr) + lin_r(x)``."""
+
+    @staticmethod
+    def forward(ctx, a1, w1, b1, a2, w2, b2):
+        w1, w2 = w1.contiguous(), w2.contiguous()
+        ctx.save_for_backward(a1, w1, a2, w2)
+        ctx.biases = (b1 is not None, b2 is not None)
+        bias = b1 if b2 is None else (b2 if b1 is None else b1 + b2)
+        return native_linear.ts_linear_sum(a1, w1, a2, w2, None if bias is None else bias.contiguous())
+
+    @staticmethod
+    def backward(ctx, g):
+        a1, w1, a2, w2 = ctx.saved_tensors
+        g = g.contiguous()
+        n = ctx.needs_input_grad
+        need_b = (n[2] and ctx.biases[0]) or (n[5] and ctx.biases[1])
+        if torch.is_grad_enabled():  # create_graph=True: differentiable ops
+            gb = g.sum(0) if need_b else None
+            return (g.mm(w1) if n[0] else None, g.t().mm(a1) if n[1] else None, gb if n[2] else None,
+                    g.mm(w2) if n[3] else None, g.t().mm(a2) if n[4] else None, gb if n[5] else None)
+        ga1 = native_linear.ts_matmul(g, w1) if n[0] else None
+        ga2 = native_linear.ts_matmul(g, w2) if n[3] else None
+        gw1 = gw2 = gb = None
+        if n[1]:
+            gw1, gb = native_linear.ts_weight_grad(g, a1, bias=need_b)
+        if n[4]:
+            gw2, gb2 = native_linear.ts_weight_grad(g, a2, bias=need_b and gb is None)
+            gb = gb if gb is not None else gb2
+        if need_b and gb is None:
+            gb = g.sum(0)
+        return (ga1, gw1, gb if n[2] and ctx.biases[0] else None,
+                ga2, gw2, gb if n[5] and ctx.biases[1] else None)
+
+
+def _native_sum_fits(a1, w1, a2, w2) -> bool:
+    return (_linear_on.get() and _native_linear_route() and not torch.compiler.is_compiling()
+            and all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype == torch.float32 and t.device.type == "cpu"
+                    for t in (a1, w1, a2, w2))
+            and a1.shape[0] == a2.shape[0] and a1.shape[0] >= ONEDNN_LINEAR_MIN_ROWS
+            and w1.shape[0] == w2.shape[0] and w1.shape[1] == a1.shape[1] and w2.shape[1] == a2.shape[1]
+            and max(w1.shape[1], w2.shape[1], w1.shape[0]) <= NATIVE_LINEAR_MAX_K)
+
+
+def _sage_forward_fused_root(self, x, edge_index, size=None):
+    """SAGEConv.forward (no ``project``) with ``lin_l(aggr) + lin_r(x_r)`` as one
+    :class:`_NativeLinearSum` where it fits, PyG's two linears and their sum otherwise."""
+    if isinstance(x, torch.Tensor):
+        x = (x, x)
+    out = self.propagate(edge_index, x=x, size=size)
+    x_r = x[1]
+    if self.root_weight and x_r is not None and _native_sum_fits(out, self.lin_l.weight, x_r, self.lin_r.weight):
+        b = [getattr(self.lin_l, "bias", None), getattr(self.lin_r, "bias", None)]
+        _counts["linear: cpu_opt tall-skinny GEMM (lin_l + lin_r in one output)"] += 1
+        out = _NativeLinearSum.apply(out.contiguous(), self.lin_l.weight, b[0], x_r.contiguous(), self.lin_r.weight, b[1])
+    else:
+        out = self.lin_l(out)
+        if self.root_weight and x_r is not None:
+            out = out + self.lin_r(x_r)
+    if self.normalize:
+        out = torch.nn.functional.normalize(out, p=2.0, dim=-1)
+    return out
+
+
+def fused_root_layers(model: torch.nn.Module, linear_first: dict) -> dict:
+    """``{module: forward}`` for the SAGEConv layers (not applying their linear map first, no
+    ``project``) whose ``lin_l(aggr) + lin_r(x)`` can run as one GEMM output (:class:`_NativeLinearSum`)."""
+    from torch_geometric.nn import SAGEConv
+
+    if not _native_linear_route():
+        return {}
+    return {m: _sage_forward_fused_root for m in model.modules()
+            if type(m) is SAGEConv and m not in linear_first and not m.project and m.root_weight
+            and "forward" not in m.__dict__}
 
 
 # ----------------------------------------------------------------------------- linear before aggregation
@@ -737,8 +881,14 @@ class OptimizedGNN(torch.nn.Module):
             w = m.lin_l.weight if hasattr(m, "lin_l") else m.nn[0].weight
             self._notes[f"{type(m).__name__}({w.shape[1]} -> {w.shape[0]}): linear before aggregation"] += 1
         linears = linear_layers(model) if onednn_linear else {}
-        if linears:
+        if linears and _native_linear_route():
+            self._notes["Linear layers on cpu_opt's tall-skinny GEMM where float32 with 16384+ rows "
+                        "(AVX2 without AVX-512)"] = len(linears)
+        elif linears:
             self._notes["Linear layers on torch's oneDNN where float32 (routing: linear fp32 -> torch_onednn)"] = len(linears)
+        fused_root = fused_root_layers(model, self._linear_first) if onednn_linear else {}
+        if fused_root:
+            self._notes["SAGEConv: lin_l(aggr) + lin_r(x) as one tall-skinny GEMM output"] = len(fused_root)
         attention = attention_layers(model, fused_attention)
         self._attention = {m: f for m, f in attention.items() if f is not _pyg_edge_index_forward}
         for m in attention:
@@ -746,7 +896,7 @@ class OptimizedGNN(torch.nn.Module):
             if m in self._attention and type(m).__name__ != "GATConv" and m.edge_dim is not None:
                 what += "; PyG's forward for calls with edge_attr"
             self._notes[f"{type(m).__name__}(heads={m.heads}, {m.out_channels} per head): {what}"] += 1
-        self._forwards = {**linears, **self._linear_first, **attention}
+        self._forwards = {**linears, **fused_root, **self._linear_first, **attention}
         self._onednn_linear = onednn_linear
 
     def _adj_t(self, edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
@@ -809,7 +959,11 @@ class OptimizedGNN(torch.nn.Module):
     def _why(self, m) -> str:
         if m in self._linear_first:
             return "linear map before aggregation"
-        return _ATTENTION_WHY if m in self._attention else "Linear on torch's oneDNN"
+        if m in self._attention:
+            return _ATTENTION_WHY
+        if self._forwards.get(m) is _sage_forward_fused_root:
+            return "lin_l(aggr) + lin_r(x) as one tall-skinny GEMM output"
+        return "Linear on cpu_opt's tall-skinny GEMM" if _native_linear_route() else "Linear on torch's oneDNN"
 
     def report_text(self) -> str:
         """What ran where since creation (counts), as text."""
@@ -829,8 +983,9 @@ def optimize(model: torch.nn.Module, *, edge_arg: str | None = None, index_dtype
     ``index_dtype=torch.int32`` halves the column index traffic. ``linear_first``: narrowing
     SAGEConv (sum/mean) and GINConv layers apply their linear map before aggregating (see the
     module docstring); ``False`` keeps PyG's order exactly. ``onednn_linear``: the model's Linear
-    layers run on torch's oneDNN where the routing table says so (:func:`linear`); ``False`` keeps
-    ``F.linear``. ``fused_attention``: GATConv, GATv2Conv and TransformerConv run their attention on
+    layers on node features run on cpu_opt's tall-skinny GEMM (AVX2 without AVX-512; SAGEConv's two
+    linears then share one output) or on torch's oneDNN where the routing table says so
+    (:func:`linear`); ``False`` keeps ``F.linear`` (the name is older than the native kernel). ``fused_attention``: GATConv, GATv2Conv and TransformerConv run their attention on
     cpu_opt's fused kernels (:func:`attention_layers`; PyG's forward for what those do not cover, counted
     in ``report()``); ``False`` keeps PyG's."""
     from torch_geometric.nn import MessagePassing

@@ -161,3 +161,14 @@ int64_t KFN(gelu_erf_f32)(const float *x, float *y, int64_t n, int nthreads);
  * when w_kn = 0; bias N floats or NULL; all row-major and dense. CO_ERR_BAD_ARGUMENT for sizes out
  * of range or a NULL x / w / y, CO_ERR_NO_MEMORY when the per-thread partials cannot be allocated. */
 int64_t KFN(gemv_f32)(const float *x, int64_t M, int64_t K, const float *w, int64_t N, int w_kn, const float *bias, float *y, int nthreads);
+
+/* ---- tall-skinny GEMMs for GNN training (native/kernels/tsgemm.c) ----
+ * ts_gemm_nn_f32: C (M x N) = A (M x K) B' (+ bias) (+ C when accumulate = 1), B' = B (K x N) when
+ * b_nk = 0, B^T (B N x K) when b_nk = 1. ts_gemm_tn_f32: C (N1 x N2) = A^T B (A M x N1, B M x N2),
+ * and colsum[N1] = A's column sums when colsum is not NULL. All row-major and dense; K, N, N1, N2 in
+ * [1, 1024], M >= 0. CO_ERR_BAD_ARGUMENT for sizes out of range or a NULL matrix, CO_ERR_NO_MEMORY
+ * when the packed panels / partials cannot be allocated; nothing written on an error. */
+int64_t KFN(ts_gemm_nn_f32)(const float *a, int64_t M, int64_t K, const float *b, int64_t N, int b_nk, const float *bias, int accumulate, float *c, int nthreads);
+/* ts_gemm_nn2_f32: C (M x N) = A1 W1^T + A2 W2^T (+ bias), A1 M x K1, A2 M x K2, W1 N x K1, W2 N x K2. */
+int64_t KFN(ts_gemm_nn2_f32)(const float *a1, int64_t M, int64_t K1, const float *w1, const float *a2, int64_t K2, const float *w2, int64_t N, const float *bias, float *c, int nthreads);
+int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *b, int64_t N2, float *c, float *colsum, int nthreads);

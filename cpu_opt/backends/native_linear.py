@@ -58,3 +58,109 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kn: bool, k
     if st:
         native.check(st, "gemv_f32")
     return y
+
+
+# ----------------------------------------------------------------------------- tall-skinny GEMMs
+
+TS_MAX_DIM = 1024  # CO_TS_MAX_DIM in native/kernels/tsgemm.c: the small dimensions' bound
+
+
+def _ts_check(what: str, *named) -> None:
+    for name, t in named:
+        if t.dtype != torch.float32 or t.dim() != 2 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{what}: {name} must be a contiguous 2-D float32 CPU tensor, got "
+                             f"{t.dtype} {tuple(t.shape)} (contiguous={t.is_contiguous()}, {t.device})")
+
+
+def _ptr(t):
+    return native.ptr(t, "float *")
+
+
+def ts_fits(k: int, n: int) -> bool:
+    """Whether a GEMM with small dimensions ``k`` and ``n`` is within the kernel's bounds."""
+    return 1 <= k <= TS_MAX_DIM and 1 <= n <= TS_MAX_DIM
+
+
+def ts_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *,
+              out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """``x @ w.T + b`` (``w`` (N, K): nn.Linear's layout) on cpu_opt's tall-skinny GEMM, written into
+    ``out`` when given, added to it when ``accumulate``."""
+    return _ts_nn("ts_linear", x, w, True, b, out, accumulate)
+
+
+def ts_linear_sum(a1: torch.Tensor, w1: torch.Tensor, a2: torch.Tensor, w2: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a1 @ w1.T + a2 @ w2.T + bias`` in one pass over the output (both weights (N, K_i))."""
+    _ts_check("ts_linear_sum", ("a1", a1), ("w1", w1), ("a2", a2), ("w2", w2))
+    M, K1 = a1.shape
+    K2, N = a2.shape[1], w1.shape[0]
+    if a2.shape[0] != M or w1.shape[1] != K1 or tuple(w2.shape) != (N, K2):
+        raise ValueError(f"ts_linear_sum: shapes {tuple(a1.shape)} x {tuple(w1.shape)} + {tuple(a2.shape)} x "
+                         f"{tuple(w2.shape)} do not match")
+    if not (ts_fits(K1, N) and ts_fits(K2, N)):
+        raise ValueError(f"ts_linear_sum: K1={K1}, K2={K2}, N={N}: the small dimensions must be in [1, {TS_MAX_DIM}]")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != N or not bias.is_contiguous()):
+        raise ValueError(f"ts_linear_sum: bias must be {N} contiguous float32 values, got {bias.dtype} {tuple(bias.shape)}")
+    out = native.empty(M, N)
+    if M == 0:
+        return out
+    ffi = native.ffi()
+    st = native.kernel("ts_gemm_nn2_f32")(_ptr(a1), M, K1, _ptr(w1), _ptr(a2), K2, _ptr(w2), N,
+                                          ffi.NULL if bias is None else _ptr(bias), _ptr(out), torch.get_num_threads())
+    if st:
+        native.check(st, "ts_gemm_nn2_f32", f"{tuple(a1.shape)}, {tuple(a2.shape)} -> {N}")
+    return out
+
+
+def ts_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (``b`` (K, N), small) on cpu_opt's tall-skinny GEMM: a linear layer's input gradient
+    ``g @ W``."""
+    return _ts_nn("ts_matmul", a, b, False, None, None, False)
+
+
+def _ts_nn(what, a, b, b_nk: bool, bias, out, accumulate):
+    _ts_check(what, ("a", a), ("b", b))
+    M, K = a.shape
+    N = b.shape[0] if b_nk else b.shape[1]
+    if (b.shape[1] if b_nk else b.shape[0]) != K:
+        raise ValueError(f"{what}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not multiply")
+    if not ts_fits(K, N):
+        raise ValueError(f"{what}: K={K}, N={N}: the small dimensions must be in [1, {TS_MAX_DIM}]")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != N or not bias.is_contiguous()):
+        raise ValueError(f"{what}: bias must be {N} contiguous float32 values, got {bias.dtype} {tuple(bias.shape)}")
+    if out is None:
+        if accumulate:
+            raise ValueError(f"{what}: accumulate=True needs out")
+        out = native.empty(M, N)  # huge pages for a large output: no page fault per 4 KiB
+    elif out.dtype != torch.float32 or tuple(out.shape) != (M, N) or not out.is_contiguous():
+        raise ValueError(f"{what}: out must be a contiguous float32 ({M}, {N}) tensor, got {out.dtype} {tuple(out.shape)}")
+    if M == 0:  # an empty tensor's data pointer may be NULL, which the kernel refuses
+        return out
+    ffi = native.ffi()
+    st = native.kernel("ts_gemm_nn_f32")(_ptr(a), M, K, _ptr(b), N, int(b_nk), ffi.NULL if bias is None else _ptr(bias),
+                                         int(accumulate), _ptr(out), torch.get_num_threads())
+    if st:
+        native.check(st, "ts_gemm_nn_f32", f"{tuple(a.shape)} x {tuple(b.shape)}")
+    return out
+
+
+def ts_weight_grad(g: torch.Tensor, x: torch.Tensor, bias: bool = False):
+    """``(g.T @ x, g.sum(0) if bias else None)`` in one pass over the rows of ``g`` and ``x``: a
+    linear layer's weight and bias gradients."""
+    _ts_check("ts_weight_grad", ("g", g), ("x", x))
+    if g.shape[0] != x.shape[0]:
+        raise ValueError(f"ts_weight_grad: g {tuple(g.shape)} and x {tuple(x.shape)} have different row counts")
+    M, N1 = g.shape
+    N2 = x.shape[1]
+    if not ts_fits(N1, N2):
+        raise ValueError(f"ts_weight_grad: {N1} x {N2} output is outside [1, {TS_MAX_DIM}]")
+    gw = torch.empty(N1, N2, dtype=torch.float32)
+    gb = torch.empty(N1, dtype=torch.float32) if bias else None
+    if M == 0:  # no rows: zero gradients (and an empty tensor's data pointer may be NULL)
+        return gw.zero_(), None if gb is None else gb.zero_()
+    ffi = native.ffi()
+    st = native.kernel("ts_gemm_tn_f32")(_ptr(g), M, N1, _ptr(x), N2, _ptr(gw), ffi.NULL if gb is None else _ptr(gb),
+                                         torch.get_num_threads())
+    if st:
+        native.check(st, "ts_gemm_tn_f32", f"{tuple(g.shape)}^T x {tuple(x.shape)}")
+    return gw, gb

@@ -1,6 +1,63 @@
 /* Template of the forward segment reduction (see segment.c). Parameters: CO_DT, CO_T, CO_ACC,
  * CO_LOAD, CO_STORE (feature dtype), CO_IT, CO_ISUF (index dtype). */
 
+#if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
+/* max / min of one CSR row over features [c0, c0 + 8 NV) of float32 x, accumulators in registers
+ * (no weights, no include_self). With wmask, a second pass over the row's edges writes word c0 / 64
+ * of each edge's winner mask: bit j set on the first edge whose value equals the row's result
+ * (the generic loop's strict comparison keeps the first too), none where the result is the
+ * identity (+-inf: nothing won). Returns 1 without writing anything if a NaN was read (the caller
+ * runs the generic loop, whose NaN rules are PyG's), else 0. */
+static inline __attribute__((always_inline, unused)) int
+KFN(CO_N3(seg_maxmin_row, CO_DT, CO_ISUF))(const int NV, const int is_max, const float *x, int64_t F,
+                                            const CO_IT *col, int64_t s, int64_t end, int64_t e_stop, int64_t c0,
+                                            float *o, uint64_t *wmask, int64_t W, int stream)
+{
+    const __m256 init = _mm256_set1_ps(is_max ? -INFINITY : INFINITY);
+    __m256 acc[8], nan = _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[v] = init;
+    for (int64_t e = s; e < end; ++e) {
+        if (c0 == 0 && e + CO_PF_DIST < e_stop) {
+            const char *p_ = (const char *)(x + (int64_t)col[e + CO_PF_DIST] * F);
+            for (int64_t k_ = 0; k_ < F * 4; k_ += 64) __builtin_prefetch(p_ + k_);
+        }
+        const float *xr = x + (int64_t)col[e] * F + c0;
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) {
+            const __m256 xv = _mm256_loadu_ps(xr + 8 * v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+            acc[v] = is_max ? _mm256_max_ps(acc[v], xv) : _mm256_min_ps(acc[v], xv);
+        }
+    }
+    if (_mm256_movemask_ps(nan)) return 1;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+        if (stream) _mm256_stream_ps(o + c0 + 8 * v, acc[v]);
+        else _mm256_storeu_ps(o + c0 + 8 * v, acc[v]);
+    }
+    if (!wmask) return 0;
+    uint64_t valid = 0, found = 0;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v)
+        valid |= (uint64_t)_mm256_movemask_ps(_mm256_cmp_ps(acc[v], init, _CMP_NEQ_UQ)) << (8 * v);
+    uint64_t *m = wmask + s * W + c0 / 64;
+    int64_t e = s;
+    for (; e < end && found != valid; ++e) {
+        const float *xr = x + (int64_t)col[e] * F + c0;
+        uint64_t bits = 0;
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v)
+            bits |= (uint64_t)_mm256_movemask_ps(_mm256_cmp_ps(acc[v], _mm256_loadu_ps(xr + 8 * v), _CMP_EQ_OQ)) << (8 * v);
+        bits &= valid & ~found;
+        found |= bits;
+        m[(e - s) * W] = bits;
+    }
+    for (; e < end; ++e) m[(e - s) * W] = 0;
+    return 0;
+}
+#endif
+
 int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
     const int64_t *rowptr, int64_t n_rows, const CO_IT *col, const CO_T *weight,
     const CO_T *x, int64_t n_x, int64_t F, int reduce, const CO_T *self, int include_self,
@@ -66,6 +123,24 @@ int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
                 else if (inc) for (int64_t j = 0; j < F; ++j) acc[j] = (CO_ACC)0;
                 else for (int64_t j = 0; j < F; ++j) acc[j] = init;
 
+#if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
+                /* float32 max / min, no weights or self, features in whole chunks of 64 (or 32):
+                 * accumulators in registers; a row with a NaN goes on to the generic loops below */
+                if (is_arg && CO_T_IS_ACC && sizeof(CO_T) == 4 && !weight && !inc && !arg && (F % 64 == 0 || F == 32)) {
+                    const int is_max = reduce == CO_RED_MAX;
+                    const int stream = F % 8 == 0 && ((uintptr_t)o & 31) == 0;
+                    uint64_t *wm = track ? wmask : NULL;
+                    int redo = 0;
+                    if (F == 32)
+                        redo = is_max ? KFN(CO_N3(seg_maxmin_row, CO_DT, CO_ISUF))(4, 1, (const float *)x, F, col, s, end, e_stop, 0, (float *)o, wm, W, stream)
+                                      : KFN(CO_N3(seg_maxmin_row, CO_DT, CO_ISUF))(4, 0, (const float *)x, F, col, s, end, e_stop, 0, (float *)o, wm, W, stream);
+                    else
+                        for (int64_t c0 = 0; c0 < F && !redo; c0 += 64)
+                            redo = is_max ? KFN(CO_N3(seg_maxmin_row, CO_DT, CO_ISUF))(8, 1, (const float *)x, F, col, s, end, e_stop, c0, (float *)o, wm, W, stream)
+                                          : KFN(CO_N3(seg_maxmin_row, CO_DT, CO_ISUF))(8, 0, (const float *)x, F, col, s, end, e_stop, c0, (float *)o, wm, W, stream);
+                    if (!redo) continue;
+                }
+#endif
                 if (reduce == CO_RED_SUM || reduce == CO_RED_MEAN) {
                     for (int64_t e = s; e < end; ++e) {
                         if (e + CO_PF_DIST < e_stop) CO_PREFETCH_ROW(e + CO_PF_DIST);

@@ -1,0 +1,348 @@
+/* Tall-skinny GEMMs: one dimension huge (the rows: a graph's nodes, 10^4-10^7), the others small
+ * (the features: 1..CO_TS_MAX_DIM). The dense layers of GNN training (cpu_opt.gnn): the forward
+ * and input-gradient GEMMs C = A B (+ bias) (+ C), and the weight gradient C = A^T B over all rows.
+ * General GEMM libraries lose half their speed on these shapes (K = 64: the packing of A costs as
+ * much as the arithmetic; N1 x N2 = 64 x 64 with K = 10^5: one small output, a reduction split
+ * across threads): torch's oneDNN runs 100000 x 64 x 64 at ~64 GFLOP/s on 2 Zen 3 cores, MKL's mm
+ * the weight gradient at ~60. Here the small operand is packed once per call into 16-column panels
+ * that stay in L1, and A is streamed through once, 6 rows at a time, into a 6 x 16 register tile.
+ *
+ *   ts_gemm_nn_f32: C (M x N) = A (M x K) B' (+ bias[N]) (+ C when accumulate), B' = B (K x N,
+ *                   b_nk = 0: a gradient times a weight) or B^T (B N x K, b_nk = 1: nn.Linear's
+ *                   weight). Rows split across threads in contiguous blocks.
+ *   ts_gemm_nn2_f32: C (M x N) = A1 W1^T + A2 W2^T (+ bias), W1 N x K1, W2 N x K2: two linear
+ *                   layers summed (SAGEConv's lin_l(aggr) + lin_r(x)) in one pass over C.
+ *   ts_gemm_tn_f32: C (N1 x N2) = A^T B, A M x N1, B M x N2 (a weight gradient g^T x), and
+ *                   optionally colsum[N1] = sum over rows of A (the bias gradient) in the same pass.
+ *                   Rows split across threads, each into a private partial; partials summed after
+ *                   a barrier, so the result does not depend on timing (it does on the thread count).
+ * All matrices row-major and dense. Sizes are checked before any memory is touched: CO_ERR_BAD_ARGUMENT
+ * for M < 0, K/N/N1/N2 outside [1, CO_TS_MAX_DIM], nthreads < 1 or a NULL pointer; CO_ERR_NO_MEMORY
+ * when the packed panels or partials cannot be allocated (nothing written then). */
+
+#ifndef CO_TSGEMM_DEFINED
+#define CO_TSGEMM_DEFINED
+#define CO_TS_MAX_DIM 1024
+#define CO_TS_NR 16         /* panel width: 2 AVX2 vectors */
+#define CO_TS_MR 6          /* rows per register tile */
+#ifndef CO_TS_TN_BLOCK
+#define CO_TS_TN_BLOCK 128  /* rows of A and B per pass of the weight-gradient kernel: their packed strips stay in L2 */
+#endif
+#endif
+
+/* B' packed into ceil(N / 16) panels of K x 16 floats, zero beyond column N */
+static void KFN(co_ts_pack)(const float *b, int64_t K, int64_t N, int b_nk, float *bp) {
+    const int64_t np = (N + CO_TS_NR - 1) / CO_TS_NR;
+    for (int64_t p = 0; p < np; ++p) {
+        float *dst = bp + p * K * CO_TS_NR;
+        for (int64_t k = 0; k < K; ++k)
+            for (int64_t j = 0; j < CO_TS_NR; ++j) {
+                const int64_t n = p * CO_TS_NR + j;
+                dst[k * CO_TS_NR + j] = n < N ? (b_nk ? b[n * K + k] : b[k * N + n]) : 0.f;
+            }
+    }
+}
+
+#if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
+
+static inline __m256i KFN(co_ts_mask)(int64_t n) { /* lanes [0, n) on, n in [0, 8] */
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), idx);
+}
+
+/* rows [0, R) of the R x 16 tile c[:, n0 : n0 + ncols] from A rows a (lda = K) and one panel bp */
+static inline __attribute__((always_inline)) void
+KFN(co_ts_tile)(const int R, const float *a, int64_t K, const float *bp, const float *a2, int64_t K2,
+                const float *bp2, const float *bias, int acc, float *c, int64_t ldc, int64_t ncols) {
+    __m256 c0[CO_TS_MR], c1[CO_TS_MR];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < K; ++k) {
+        const __m256 b0 = _mm256_load_ps(bp + k * CO_TS_NR), b1 = _mm256_load_ps(bp + k * CO_TS_NR + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) {
+            const __m256 av = _mm256_broadcast_ss(a + r * K + k);
+            c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
+            c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
+        }
+    }
+    for (int64_t k = 0; a2 && k < K2; ++k) { /* the second product, into the same registers */
+        const __m256 b0 = _mm256_load_ps(bp2 + k * CO_TS_NR), b1 = _mm256_load_ps(bp2 + k * CO_TS_NR + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) {
+            const __m256 av = _mm256_broadcast_ss(a2 + r * K2 + k);
+            c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
+            c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
+        }
+    }
+    if (ncols == CO_TS_NR) {
+        const __m256 bi0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+        const __m256 bi1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) {
+            float *cr = c + r * ldc;
+            __m256 v0 = _mm256_add_ps(c0[r], bi0), v1 = _mm256_add_ps(c1[r], bi1);
+            if (acc == 1) {
+                v0 = _mm256_add_ps(v0, _mm256_loadu_ps(cr));
+                v1 = _mm256_add_ps(v1, _mm256_loadu_ps(cr + 8));
+                _mm256_storeu_ps(cr, v0);
+                _mm256_storeu_ps(cr + 8, v1);
+            } else if (acc == 2) { /* streaming stores: C is written once and larger than the caches */
+                _mm256_stream_ps(cr, v0);
+                _mm256_stream_ps(cr + 8, v1);
+            } else {
+                _mm256_storeu_ps(cr, v0);
+                _mm256_storeu_ps(cr + 8, v1);
+            }
+        }
+        return;
+    }
+    /* the last panel of an N that is not a multiple of 16: masked loads and stores, nothing beyond */
+    const int64_t n0 = ncols < 8 ? ncols : 8, n1 = ncols - n0;
+    const __m256i m0 = KFN(co_ts_mask)(n0), m1 = KFN(co_ts_mask)(n1);
+    const __m256 bi0 = bias ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();
+    const __m256 bi1 = bias && n1 ? _mm256_maskload_ps(bias + 8, m1) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+        float *cr = c + r * ldc;
+        __m256 v0 = _mm256_add_ps(c0[r], bi0), v1 = _mm256_add_ps(c1[r], bi1);
+        if (acc == 1) {
+            v0 = _mm256_add_ps(v0, _mm256_maskload_ps(cr, m0));
+            if (n1) v1 = _mm256_add_ps(v1, _mm256_maskload_ps(cr + 8, m1));
+        }
+        _mm256_maskstore_ps(cr, m0, v0);
+        if (n1) _mm256_maskstore_ps(cr + 8, m1, v1);
+    }
+}
+
+static void KFN(co_ts_rows)(int64_t R, const float *a, int64_t K, const float *bp, const float *a2, int64_t K2,
+                            const float *bp2, int64_t N, const float *bias, int acc, float *c) {
+    for (int64_t n0 = 0; n0 < N; n0 += CO_TS_NR) {
+        const float *p = bp + (n0 / CO_TS_NR) * K * CO_TS_NR;
+        const float *p2 = a2 ? bp2 + (n0 / CO_TS_NR) * K2 * CO_TS_NR : NULL;
+        const float *bi = bias ? bias + n0 : NULL;
+        const int64_t nc = N - n0 < CO_TS_NR ? N - n0 : CO_TS_NR;
+        switch (R) {
+        case 6: KFN(co_ts_tile)(6, a, K, p, a2, K2, p2, bi, acc, c + n0, N, nc); break;
+        case 5: KFN(co_ts_tile)(5, a, K, p, a2, K2, p2, bi, acc, c + n0, N, nc); break;
+        case 4: KFN(co_ts_tile)(4, a, K, p, a2, K2, p2, bi, acc, c + n0, N, nc); break;
+        case 3: KFN(co_ts_tile)(3, a, K, p, a2, K2, p2, bi, acc, c + n0, N, nc); break;
+        case 2: KFN(co_ts_tile)(2, a, K, p, a2, K2, p2, bi, acc, c + n0, N, nc); break;
+        default: KFN(co_ts_tile)(1, a, K, p, a2, K2, p2, bi, acc, c + n0, N, nc); break;
+        }
+    }
+}
+
+/* acc tile (R x 16 at part[i0:, j0:]) += sum over the block's rows m of ap[m, 0:R]^T bp[m, 0:16]:
+ * ap is the block's 6-column strip of A packed (L rows x 6), bp its 16-column strip of B (L x 16) */
+static inline __attribute__((always_inline)) void
+KFN(co_ts_tn_tile)(const int R, const float *ap, const float *bp, int64_t L, float *part, int64_t ldp) {
+    __m256 c0[CO_TS_MR], c1[CO_TS_MR];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t m = 0; m < L; ++m) {
+        const __m256 b0 = _mm256_load_ps(bp + m * CO_TS_NR), b1 = _mm256_load_ps(bp + m * CO_TS_NR + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) {
+            const __m256 av = _mm256_broadcast_ss(ap + m * CO_TS_MR + r);
+            c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
+            c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
+        }
+    }
+    /* part is padded to a multiple of 16 columns: whole-vector updates are in bounds */
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+        float *pr = part + r * ldp;
+        _mm256_storeu_ps(pr, _mm256_add_ps(_mm256_loadu_ps(pr), c0[r]));
+        _mm256_storeu_ps(pr + 8, _mm256_add_ps(_mm256_loadu_ps(pr + 8), c1[r]));
+    }
+}
+
+/* rows [m0, m1) (at most CO_TS_TN_BLOCK) into the thread's partial; scratch holds the packed strips */
+static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int64_t N2, int64_t m0, int64_t m1,
+                                float *part, float *colsum, float *scratch) {
+    const int64_t ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR, L = m1 - m0;
+    const int64_t na = (N1 + CO_TS_MR - 1) / CO_TS_MR, nb = ldp / CO_TS_NR;
+    float *apk = scratch, *bpk = scratch + na * CO_TS_TN_BLOCK * CO_TS_MR;
+    const int64_t fa = N1 / CO_TS_MR, fb = N2 / CO_TS_NR; /* whole strips */
+    for (int64_t m = 0; m < L; ++m) {
+        const float *am = a + (m0 + m) * N1, *bm = b + (m0 + m) * N2;
+        for (int64_t ia = 0; ia < fa; ++ia) {
+            float *d = apk + ia * L * CO_TS_MR + m * CO_TS_MR;
+            const float *s = am + ia * CO_TS_MR;
+            d[0] = s[0]; d[1] = s[1]; d[2] = s[2]; d[3] = s[3]; d[4] = s[4]; d[5] = s[5];
+        }
+        if (fa < na) {
+            float *d = apk + fa * L * CO_TS_MR + m * CO_TS_MR;
+            for (int64_t r = 0; r < CO_TS_MR; ++r) d[r] = fa * CO_TS_MR + r < N1 ? am[fa * CO_TS_MR + r] : 0.f;
+        }
+        for (int64_t jb = 0; jb < fb; ++jb) {
+            float *d = bpk + jb * L * CO_TS_NR + m * CO_TS_NR;
+            const float *s = bm + jb * CO_TS_NR;
+            _mm256_store_ps(d, _mm256_loadu_ps(s));
+            _mm256_store_ps(d + 8, _mm256_loadu_ps(s + 8));
+        }
+        if (fb < nb) {
+            float *d = bpk + fb * L * CO_TS_NR + m * CO_TS_NR;
+            for (int64_t j = 0; j < CO_TS_NR; ++j) d[j] = fb * CO_TS_NR + j < N2 ? bm[fb * CO_TS_NR + j] : 0.f;
+        }
+        if (colsum)
+            for (int64_t i = 0; i < N1; ++i) colsum[i] += am[i];
+    }
+    for (int64_t ia = 0; ia < na; ++ia) {
+        const int64_t R = N1 - ia * CO_TS_MR < CO_TS_MR ? N1 - ia * CO_TS_MR : CO_TS_MR;
+        const float *ap = apk + ia * L * CO_TS_MR;
+        for (int64_t jb = 0; jb < nb; ++jb) {
+            const float *bp = bpk + jb * L * CO_TS_NR;
+            float *pt = part + ia * CO_TS_MR * ldp + jb * CO_TS_NR;
+            switch (R) {
+            case 6: KFN(co_ts_tn_tile)(6, ap, bp, L, pt, ldp); break;
+            case 5: KFN(co_ts_tn_tile)(5, ap, bp, L, pt, ldp); break;
+            case 4: KFN(co_ts_tn_tile)(4, ap, bp, L, pt, ldp); break;
+            case 3: KFN(co_ts_tn_tile)(3, ap, bp, L, pt, ldp); break;
+            case 2: KFN(co_ts_tn_tile)(2, ap, bp, L, pt, ldp); break;
+            default: KFN(co_ts_tn_tile)(1, ap, bp, L, pt, ldp); break;
+            }
+        }
+    }
+}
+
+#else /* base: plain loops the compiler vectorizes as it can */
+
+static void KFN(co_ts_rows)(int64_t R, const float *a, int64_t K, const float *bp, const float *a2, int64_t K2,
+                            const float *bp2, int64_t N, const float *bias, int acc, float *c) {
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t n = 0; n < N; ++n) {
+            const float *p = bp + (n / CO_TS_NR) * K * CO_TS_NR + n % CO_TS_NR;
+            float s = 0.f;
+            for (int64_t k = 0; k < K; ++k) s += a[r * K + k] * p[k * CO_TS_NR];
+            if (a2) {
+                const float *p2 = bp2 + (n / CO_TS_NR) * K2 * CO_TS_NR + n % CO_TS_NR;
+                for (int64_t k = 0; k < K2; ++k) s += a2[r * K2 + k] * p2[k * CO_TS_NR];
+            }
+            s += bias ? bias[n] : 0.f;
+            c[r * N + n] = acc == 1 ? c[r * N + n] + s : s;
+        }
+}
+
+static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int64_t N2, int64_t m0, int64_t m1,
+                                float *part, float *colsum, float *scratch) {
+    const int64_t ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR;
+    (void)scratch;
+    for (int64_t m = m0; m < m1; ++m)
+        for (int64_t i = 0; i < N1; ++i) {
+            const float ai = a[m * N1 + i];
+            float *pr = part + i * ldp;
+            for (int64_t j = 0; j < N2; ++j) pr[j] += ai * b[m * N2 + j];
+            if (colsum) colsum[i] += ai;
+        }
+}
+
+#endif
+
+/* C = A B' (+ A2 B2^T when a2) (+ bias) (+ C when accumulate): the body of both entry points */
+static int64_t KFN(co_ts_nn)(const float *a, int64_t M, int64_t K, const float *b, int64_t N, int b_nk,
+                             const float *a2, int64_t K2, const float *b2, const float *bias, int accumulate, float *c,
+                             int nthreads) {
+    if (M < 0 || K < 1 || K > CO_TS_MAX_DIM || N < 1 || N > CO_TS_MAX_DIM || nthreads < 1 ||
+        (b_nk != 0 && b_nk != 1) || (accumulate != 0 && accumulate != 1) ||
+        (a2 && (K2 < 1 || K2 > CO_TS_MAX_DIM || !b2)))
+        return CO_ERR_BAD_ARGUMENT;
+    if (!a || !b || !c) return CO_ERR_BAD_ARGUMENT;
+    if (M == 0) return CO_OK;
+    const int64_t np = (N + CO_TS_NR - 1) / CO_TS_NR;
+    const int64_t k2 = a2 ? K2 : 0;
+    float *bp = (float *)aligned_alloc(64, (size_t)(np * (K + k2) * CO_TS_NR) * sizeof(float));
+    if (!bp) return CO_ERR_NO_MEMORY;
+    float *bp2 = bp + np * K * CO_TS_NR;
+    KFN(co_ts_pack)(b, K, N, b_nk, bp);
+    if (a2) KFN(co_ts_pack)(b2, K2, N, 1, bp2);
+    /* a thread per 2M multiply-adds at least */
+    const int64_t want = (M * (K + k2) * N + (1 << 21) - 1) >> 21;
+    int nt = want < nthreads ? (int)want : nthreads;
+    if (nt < 1) nt = 1;
+    const int64_t tiles = (M + CO_TS_MR - 1) / CO_TS_MR;
+    /* 1: C += ...; 2: C = ... with streaming stores (C 32-byte aligned, rows whole vectors, and
+     * beyond the L2 caches: 8 MiB); 0: C = ... */
+    const int mode = accumulate ? 1 : (((uintptr_t)c & 31) == 0 && N % 8 == 0 && M * N >= ((int64_t)1 << 21)) ? 2 : 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int t = nt > 1 ? omp_get_thread_num() : 0;
+        const int n_t = nt > 1 ? omp_get_num_threads() : 1;
+        const int64_t r0 = tiles * t / n_t * CO_TS_MR;
+        int64_t r1 = tiles * (t + 1) / n_t * CO_TS_MR;
+        if (r1 > M) r1 = M;
+        for (int64_t r = r0; r < r1; r += CO_TS_MR) {
+            const int64_t R = r1 - r < CO_TS_MR ? r1 - r : CO_TS_MR;
+            KFN(co_ts_rows)(R, a + r * K, K, bp, a2 ? a2 + r * K2 : NULL, k2, bp2, N, bias, mode, c + r * N);
+        }
+#if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
+        if (mode == 2) _mm_sfence();
+#endif
+    }
+    free(bp);
+    return CO_OK;
+}
+
+int64_t KFN(ts_gemm_nn_f32)(const float *a, int64_t M, int64_t K, const float *b, int64_t N, int b_nk,
+                            const float *bias, int accumulate, float *c, int nthreads) {
+    return KFN(co_ts_nn)(a, M, K, b, N, b_nk, NULL, 0, NULL, bias, accumulate, c, nthreads);
+}
+
+int64_t KFN(ts_gemm_nn2_f32)(const float *a1, int64_t M, int64_t K1, const float *w1, const float *a2, int64_t K2,
+                             const float *w2, int64_t N, const float *bias, float *c, int nthreads) {
+    if (!a2) return CO_ERR_BAD_ARGUMENT;
+    return KFN(co_ts_nn)(a1, M, K1, w1, N, 1, a2, K2, w2, bias, 0, c, nthreads);
+}
+
+int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *b, int64_t N2, float *c,
+                            float *colsum, int nthreads) {
+    if (M < 0 || N1 < 1 || N1 > CO_TS_MAX_DIM || N2 < 1 || N2 > CO_TS_MAX_DIM || nthreads < 1)
+        return CO_ERR_BAD_ARGUMENT;
+    if (!a || !b || !c) return CO_ERR_BAD_ARGUMENT;
+    const int64_t ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR;
+    const int64_t want = (M * N1 * N2 + (1 << 21) - 1) >> 21;
+    int nt = want < nthreads ? (int)want : nthreads;
+    if (nt < 1) nt = 1;
+    const size_t psz = (size_t)(N1 * ldp + N1); /* the padded partial, then the partial column sums */
+    /* per thread: the packed strips of one block of rows (64-byte aligned) */
+    const size_t ssz = ((size_t)(((N1 + CO_TS_MR - 1) / CO_TS_MR * CO_TS_MR + ldp) * CO_TS_TN_BLOCK) + 15) / 16 * 16;
+    float *part = (float *)calloc((size_t)nt * psz, sizeof(float));
+    float *scratch = (float *)aligned_alloc(64, (size_t)nt * ssz * sizeof(float));
+    if (!part || !scratch) {
+        free(part);
+        free(scratch);
+        return CO_ERR_NO_MEMORY;
+    }
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int t = nt > 1 ? omp_get_thread_num() : 0;
+        const int n_t = nt > 1 ? omp_get_num_threads() : 1;
+        const int64_t m0 = M * t / n_t, m1 = M * (t + 1) / n_t;
+        float *pt = part + (size_t)t * psz;
+        for (int64_t m = m0; m < m1; m += CO_TS_TN_BLOCK) {
+            const int64_t me = m1 - m < CO_TS_TN_BLOCK ? m1 : m + CO_TS_TN_BLOCK;
+            KFN(co_ts_tn_block)(a, N1, b, N2, m, me, pt, colsum ? pt + N1 * ldp : NULL, scratch + (size_t)t * ssz);
+        }
+#pragma omp barrier
+        /* each thread sums its share of the output rows over the partials */
+        const int64_t i0 = N1 * t / n_t, i1 = N1 * (t + 1) / n_t;
+        for (int64_t i = i0; i < i1; ++i) {
+            float *ci = c + i * N2;
+            for (int64_t j = 0; j < N2; ++j) {
+                float s = 0.f;
+                for (int u = 0; u < n_t; ++u) s += part[(size_t)u * psz + i * ldp + j];
+                ci[j] = s;
+            }
+            if (colsum) {
+                float s = 0.f;
+                for (int u = 0; u < n_t; ++u) s += part[(size_t)u * psz + N1 * ldp + i];
+                colsum[i] = s;
+            }
+        }
+    }
+    free(part);
+    free(scratch);
+    return CO_OK;
+}

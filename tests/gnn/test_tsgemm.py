@@ -1,0 +1,268 @@
+"""cpu_opt's tall-skinny GEMMs (native/kernels/tsgemm.c) and the GNN linear layers on them."""
+import copy
+
+import pytest
+import torch
+
+from cpu_opt import gnn, hw, native
+from cpu_opt.backends import native_linear as NL
+from cpu_opt.gnn import pyg as gpyg
+
+NULL = None
+
+
+def runnable():
+    info = hw.detect()
+    return [v for v in native.compiled_variants() if native.VARIANT_REQUIRES[v] <= info.isa_uncapped]
+
+
+def _p(t):
+    return native.ptr(t, "float *")
+
+
+def _nn(a, b, b_nk, bias, c, acc, variant, nt):
+    M, K = a.shape
+    N = b.shape[0] if b_nk else b.shape[1]
+    st = native.kernel("ts_gemm_nn_f32", variant)(_p(a), M, K, _p(b), N, int(b_nk),
+                                                  native.ffi().NULL if bias is None else _p(bias), int(acc), _p(c), nt)
+    native.check(st, "ts_gemm_nn_f32")
+    return c
+
+
+def _rel(got, ref):
+    return ((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (5, 3, 7), (13, 8, 64), (6, 64, 8), (100, 64, 64), (101, 17, 33),
+                                   (7, 100, 129), (40000, 64, 64), (2, 1024, 5)])
+def test_nn_matches_float64_in_every_variant_and_thread_count(M, K, N):
+    g = torch.Generator().manual_seed(M + 31 * K + N)
+    a = torch.randn(M, K, generator=g)
+    w = torch.randn(N, K, generator=g)
+    bias = torch.randn(N, generator=g)
+    c0 = torch.randn(M, N, generator=g)
+    ref = a.double() @ w.double().t()
+    for v in runnable():
+        for nt in (1, 2, 3):
+            for b_nk in (True, False):
+                b = w if b_nk else w.t().contiguous()
+                got = _nn(a, b, b_nk, bias, torch.full((M, N), float("nan")), False, v, nt)
+                assert _rel(got, ref + bias.double()) < 1e-5, (v, nt, b_nk)
+                got = _nn(a, b, b_nk, None, c0.clone(), True, v, nt)
+                assert _rel(got, ref + c0.double()) < 1e-5, (v, nt, b_nk, "accumulate")
+
+
+@pytest.mark.parametrize("M,N1,N2", [(1, 1, 1), (3, 7, 5), (300, 8, 64), (300, 64, 8), (1000, 64, 64),
+                                     (257, 13, 33), (5, 1024, 3), (100003, 6, 16)])
+def test_tn_matches_float64_with_column_sums(M, N1, N2):
+    g = torch.Generator().manual_seed(M + N1 * 7 + N2)
+    a = torch.randn(M, N1, generator=g)
+    b = torch.randn(M, N2, generator=g)
+    ref, ref_s = a.double().t() @ b.double(), a.double().sum(0)
+    for v in runnable():
+        for nt in (1, 2, 3):
+            c = torch.full((N1, N2), float("nan"))
+            s = torch.full((N1,), float("nan"))
+            st = native.kernel("ts_gemm_tn_f32", v)(_p(a), M, N1, _p(b), N2, _p(c), _p(s), nt)
+            native.check(st, "ts_gemm_tn_f32")
+            assert _rel(c, ref) < 1e-5 and _rel(s, ref_s) < 1e-5, (v, nt)
+            c2 = torch.full((N1, N2), float("nan"))
+            native.check(native.kernel("ts_gemm_tn_f32", v)(_p(a), M, N1, _p(b), N2, _p(c2), native.ffi().NULL, nt), "tn")
+            assert torch.equal(c, c2), "the column sums must not change the product"
+
+
+def test_zero_rows():
+    a, w = torch.empty(0, 4), torch.randn(3, 4)
+    assert NL.ts_linear(a, w).shape == (0, 3)
+    gw, gb = NL.ts_weight_grad(torch.empty(0, 3), a, bias=True)
+    assert torch.equal(gw, torch.zeros(3, 4)) and torch.equal(gb, torch.zeros(3))
+
+
+def test_kernels_refuse_bad_sizes_before_touching_memory():
+    a, b, c = torch.randn(8, 4), torch.randn(4, 4), torch.zeros(8, 4)
+    pa, pb, pc = _p(a), _p(b), _p(c)
+    N0 = native.ffi().NULL
+    nn = native.kernel("ts_gemm_nn_f32")
+    for args in [(pa, -1, 4, pb, 4, 1, N0, 0, pc, 1), (pa, 8, 0, pb, 4, 1, N0, 0, pc, 1),
+                 (pa, 8, 1025, pb, 4, 1, N0, 0, pc, 1), (pa, 8, 4, pb, 0, 1, N0, 0, pc, 1),
+                 (pa, 8, 4, pb, 4, 2, N0, 0, pc, 1), (pa, 8, 4, pb, 4, 1, N0, 3, pc, 1),
+                 (pa, 8, 4, pb, 4, 1, N0, 0, pc, 0), (N0, 8, 4, pb, 4, 1, N0, 0, pc, 1),
+                 (pa, 8, 4, N0, 4, 1, N0, 0, pc, 1), (pa, 8, 4, pb, 4, 1, N0, 0, N0, 1)]:
+        assert nn(*args) == -2, args  # CO_ERR_BAD_ARGUMENT
+    tn = native.kernel("ts_gemm_tn_f32")
+    for args in [(pa, -1, 4, pb, 4, pc, N0, 1), (pa, 8, 0, pb, 4, pc, N0, 1), (pa, 8, 4, pb, 1025, pc, N0, 1),
+                 (pa, 8, 4, pb, 4, pc, N0, 0), (N0, 8, 4, pb, 4, pc, N0, 1), (pa, 8, 4, pb, 4, N0, N0, 1)]:
+        assert tn(*args) == -2, args
+    assert torch.equal(c, torch.zeros(8, 4))
+
+
+def test_wrappers_name_what_is_wrong():
+    x, w = torch.randn(10, 4), torch.randn(3, 4)
+    with pytest.raises(ValueError, match="float32"):
+        NL.ts_linear(x.double(), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        NL.ts_linear(torch.randn(4, 10).t(), w)
+    with pytest.raises(ValueError, match="do not multiply"):
+        NL.ts_linear(x, torch.randn(3, 5))
+    with pytest.raises(ValueError, match="bias"):
+        NL.ts_linear(x, w, torch.randn(4))
+    with pytest.raises(ValueError, match="accumulate"):
+        NL.ts_linear(x, w, accumulate=True)
+    with pytest.raises(ValueError, match="out must be"):
+        NL.ts_linear(x, w, out=torch.empty(10, 4))
+    with pytest.raises(ValueError, match="1024"):
+        NL.ts_linear(torch.randn(2, 1025), torch.randn(3, 1025))
+    with pytest.raises(ValueError, match="row counts"):
+        NL.ts_weight_grad(torch.randn(5, 3), torch.randn(6, 3))
+    with pytest.raises(ValueError, match="1024"):
+        NL.ts_weight_grad(torch.randn(5, 1025), torch.randn(5, 3))
+
+
+@pytest.mark.parametrize("K,N", [(64, 64), (64, 8), (8, 64), (100, 16)])
+def test_native_linear_forward_and_gradients_match_autograd(K, N):
+    g = torch.Generator().manual_seed(K * N)
+    x = torch.randn(20000, K, generator=g, requires_grad=True)
+    w = torch.randn(N, K, generator=g, requires_grad=True)
+    b = torch.randn(N, generator=g, requires_grad=True)
+    go = torch.randn(20000, N, generator=g)
+    y = gpyg._NativeLinear.apply(x, w, b)
+    y.backward(go)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = torch.nn.functional.linear(x64, w64, b64)
+    ref.backward(go.double())
+    assert _rel(y.detach(), ref.detach()) < 1e-5
+    for got, r in ((x.grad, x64.grad), (w.grad, w64.grad), (b.grad, b64.grad)):
+        assert _rel(got, r) < 1e-5
+
+
+def test_native_linear_sum_matches_two_linears_and_their_sum():
+    g = torch.Generator().manual_seed(5)
+    a1 = torch.randn(20000, 64, generator=g, requires_grad=True)
+    a2 = torch.randn(20000, 32, generator=g, requires_grad=True)
+    w1 = torch.randn(16, 64, generator=g, requires_grad=True)
+    w2 = torch.randn(16, 32, generator=g, requires_grad=True)
+    b1 = torch.randn(16, generator=g, requires_grad=True)
+    go = torch.randn(20000, 16, generator=g)
+    y = gpyg._NativeLinearSum.apply(a1, w1, b1, a2, w2, None)
+    y.backward(go)
+    leaves = [t.detach().double().requires_grad_() for t in (a1, w1, b1, a2, w2)]
+    ref = torch.nn.functional.linear(leaves[0], leaves[1], leaves[2]) + torch.nn.functional.linear(leaves[3], leaves[4])
+    ref.backward(go.double())
+    assert _rel(y.detach(), ref.detach()) < 1e-5
+    for t, r in zip((a1, w1, b1, a2, w2), leaves):
+        assert _rel(t.grad, r.grad) < 1e-5
+
+
+def _models():
+    from torch_geometric.nn import GCNConv, GINConv, SAGEConv
+
+    class Net(torch.nn.Module):
+        def __init__(self, make):
+            super().__init__()
+            self.c1, self.c2 = make(32, 64), make(64, 8)
+
+        def forward(self, x, edge_index):
+            return self.c2(self.c1(x, edge_index).relu(), edge_index)
+
+    def gin(i, o):
+        return GINConv(torch.nn.Sequential(torch.nn.Linear(i, o), torch.nn.ReLU(), torch.nn.Linear(o, o)))
+
+    return {"sage_max": lambda: Net(lambda i, o: SAGEConv(i, o, aggr="max")),
+            "sage_mean": lambda: Net(lambda i, o: SAGEConv(i, o, aggr="mean")),
+            "gcn": lambda: Net(GCNConv), "gin": lambda: Net(gin)}
+
+
+@pytest.mark.parametrize("name", ["sage_max", "sage_mean", "gcn", "gin"])
+def test_pyg_models_train_on_the_tall_skinny_gemm_where_routed(name):
+    pytest.importorskip("torch_geometric")
+    from cpu_opt.gnn.rmat import rmat_edge_index
+
+    n = 20000
+    ei = rmat_edge_index(n, 120000, seed=1)
+    torch.manual_seed(0)
+    base = _models()[name]()
+    x = torch.randn(n, 32)
+    y = torch.randint(0, 8, (n,))
+    fast = gnn.optimize(copy.deepcopy(base))
+    before = dict(gpyg._counts)
+    outs, grads = [], []
+    for model in (base, fast):
+        model.zero_grad()
+        out = model(x, ei)
+        torch.nn.functional.cross_entropy(out, y).backward()
+        outs.append(out.detach())
+        params = model.parameters() if model is base else model.model.parameters()
+        grads.append([p.grad.clone() for p in params])
+    ran = {k: v - before.get(k, 0) for k, v in gpyg._counts.items() if k.startswith("linear:")}
+    native_ran = sum(v for k, v in ran.items() if "tall-skinny" in k)
+    if gpyg._native_linear_route():
+        assert native_ran > 0, ran
+        assert not any("oneDNN" in k and v for k, v in ran.items()), ran
+    else:  # AVX-512 or no vectorized build: the kernel is not used
+        assert native_ran == 0, ran
+    assert _rel(outs[1], outs[0].double()) < 1e-4
+    for gf, gb in zip(grads[1], grads[0]):
+        assert _rel(gf, gb.double()) < 1e-3
+
+
+def test_outputs_are_fresh_tensors_each_call():
+    w = torch.randn(8, 16)
+    x = torch.randn(30000, 16)
+    y1 = gpyg._NativeLinear.apply(x, w, None)
+    keep = y1.clone()
+    y2 = gpyg._NativeLinear.apply(x * 2, w, None)
+    assert torch.equal(y1, keep) and y1.data_ptr() != y2.data_ptr()
+
+
+def test_linear_sum_kernel_matches_float64_and_checks_its_arguments():
+    g = torch.Generator().manual_seed(9)
+    for M, K1, K2, N in [(1, 1, 1, 1), (13, 64, 32, 8), (40000, 64, 64, 64), (7, 5, 100, 33)]:
+        a1, a2 = torch.randn(M, K1, generator=g), torch.randn(M, K2, generator=g)
+        w1, w2, b = torch.randn(N, K1, generator=g), torch.randn(N, K2, generator=g), torch.randn(N, generator=g)
+        ref = a1.double() @ w1.double().t() + a2.double() @ w2.double().t()
+        for v in runnable():
+            c = torch.full((M, N), float("nan"))
+            st = native.kernel("ts_gemm_nn2_f32", v)(_p(a1), M, K1, _p(w1), _p(a2), K2, _p(w2), N, _p(b), _p(c), 2)
+            native.check(st, "ts_gemm_nn2_f32")
+            assert _rel(c, ref + b.double()) < 1e-5, (v, M, K1, K2, N)
+        assert _rel(NL.ts_linear_sum(a1, w1, a2, w2), ref) < 1e-5
+    a, w, c = torch.randn(4, 3), torch.randn(2, 3), torch.zeros(4, 2)
+    N0 = native.ffi().NULL
+    k = native.kernel("ts_gemm_nn2_f32")
+    for args in [(_p(a), 4, 3, _p(w), N0, 3, _p(w), 2, N0, _p(c), 1), (_p(a), 4, 3, _p(w), _p(a), 0, _p(w), 2, N0, _p(c), 1),
+                 (_p(a), 4, 3, _p(w), _p(a), 3, N0, 2, N0, _p(c), 1), (_p(a), 4, 3, _p(w), _p(a), 1025, _p(w), 2, N0, _p(c), 1)]:
+        assert k(*args) == -2, args
+    assert torch.equal(c, torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="do not match"):
+        NL.ts_linear_sum(a, w, torch.randn(5, 3), w)
+
+
+@pytest.mark.parametrize("F", [32, 64, 128])
+def test_register_max_min_path_equals_the_generic_loops(F):
+    """float32 max/min without weights over 32 or a multiple of 64 features run a register loop in
+    the vector variants; the base variant runs the generic loops: outputs and winner masks equal,
+    with ties (few distinct values), -inf everywhere in some rows (nothing wins) and NaN rows."""
+    from cpu_opt.gnn import _kernels as K
+    from gnn_testutil import RUNNABLE_VARIANTS
+
+    torch.manual_seed(F)
+    n = 400
+    graph = gnn.CSRGraph.from_edge_index(torch.randint(0, n, (2, 6000)), n)
+    x = torch.randint(-3, 4, (n, F)).float()  # ties everywhere
+    x[5] = float("-inf")
+    x[7, 3] = float("nan")
+    x[11, F - 1] = float("inf")
+    fast = [v for v in RUNNABLE_VARIANTS if v != "base"]
+    if not fast:
+        pytest.skip("no vector variant runs here: the register loop is not built in the base variant")
+    for reduce in ("amax", "amin"):
+        with gnn.use_variant("base"):
+            ref_out, ref_mask = K.segment_reduce(graph.rowptr, graph.col, None, x, reduce, mask=True)
+            ref_plain, _ = K.segment_reduce(graph.rowptr, graph.col, None, x, reduce, want_arg=False)
+        for v in fast:
+            with gnn.use_variant(v):
+                out, mask = K.segment_reduce(graph.rowptr, graph.col, None, x, reduce, mask=True)
+                plain, _ = K.segment_reduce(graph.rowptr, graph.col, None, x, reduce, want_arg=False)
+            assert torch.equal(out.nan_to_num(7.5), ref_out.nan_to_num(7.5)), (v, reduce)
+            assert torch.equal(plain.nan_to_num(7.5), ref_plain.nan_to_num(7.5)), (v, reduce)
+            assert torch.equal(mask, ref_mask), (v, reduce)
