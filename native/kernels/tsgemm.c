@@ -161,7 +161,7 @@ KFN(co_ts_tn_tile)(const int R, const float *ap, const float *bp, int64_t L, flo
 
 /* rows [m0, m1) (at most CO_TS_TN_BLOCK) into the thread's partial; scratch holds the packed strips */
 static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int64_t N2, int64_t m0, int64_t m1,
-                                float *part, float *colsum, float *scratch) {
+                                int64_t m_end, float *part, float *colsum, float *scratch) {
     const int64_t ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR, L = m1 - m0;
     const int64_t na = (N1 + CO_TS_MR - 1) / CO_TS_MR, nb = ldp / CO_TS_NR;
     float *apk = scratch, *bpk = scratch + na * CO_TS_TN_BLOCK * CO_TS_MR;
@@ -190,10 +190,19 @@ static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int6
         if (colsum)
             for (int64_t i = 0; i < N1; ++i) colsum[i] += am[i];
     }
+    /* the next block's rows of A and B (contiguous byte ranges), prefetched into L2 a slice per
+     * tile, so that packing them does not wait on memory while the arithmetic here does not use it */
+    const int64_t mn = m1 + CO_TS_TN_BLOCK < m_end ? m1 + CO_TS_TN_BLOCK : m_end;
+    const char *pfa = (const char *)(a + m1 * N1), *pfb = (const char *)(b + m1 * N2);
+    const int64_t la = m1 < mn ? ((mn - m1) * N1 * 4 + 63) / 64 : 0, lb = m1 < mn ? ((mn - m1) * N2 * 4 + 63) / 64 : 0;
+    const int64_t per_tile = (la + lb + na * nb - 1) / (na * nb);
+    int64_t next = 0;
     for (int64_t ia = 0; ia < na; ++ia) {
         const int64_t R = N1 - ia * CO_TS_MR < CO_TS_MR ? N1 - ia * CO_TS_MR : CO_TS_MR;
         const float *ap = apk + ia * L * CO_TS_MR;
         for (int64_t jb = 0; jb < nb; ++jb) {
+            for (int64_t q = 0; q < per_tile && next < la + lb; ++q, ++next)
+                __builtin_prefetch(next < la ? pfa + next * 64 : pfb + (next - la) * 64, 0, 2);
             const float *bp = bpk + jb * L * CO_TS_NR;
             float *pt = part + ia * CO_TS_MR * ldp + jb * CO_TS_NR;
             switch (R) {
@@ -227,9 +236,10 @@ static void KFN(co_ts_rows)(int64_t R, const float *a, int64_t K, const float *b
 }
 
 static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int64_t N2, int64_t m0, int64_t m1,
-                                float *part, float *colsum, float *scratch) {
+                                int64_t m_end, float *part, float *colsum, float *scratch) {
     const int64_t ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR;
     (void)scratch;
+    (void)m_end;
     for (int64_t m = m0; m < m1; ++m)
         for (int64_t i = 0; i < N1; ++i) {
             const float ai = a[m * N1 + i];
@@ -323,7 +333,7 @@ int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *
         float *pt = part + (size_t)t * psz;
         for (int64_t m = m0; m < m1; m += CO_TS_TN_BLOCK) {
             const int64_t me = m1 - m < CO_TS_TN_BLOCK ? m1 : m + CO_TS_TN_BLOCK;
-            KFN(co_ts_tn_block)(a, N1, b, N2, m, me, pt, colsum ? pt + N1 * ldp : NULL, scratch + (size_t)t * ssz);
+            KFN(co_ts_tn_block)(a, N1, b, N2, m, me, m1, pt, colsum ? pt + N1 * ldp : NULL, scratch + (size_t)t * ssz);
         }
 #pragma omp barrier
         /* each thread sums its share of the output rows over the partials */
