@@ -50,6 +50,22 @@ static inline __m256i KFN(co_ts_mask)(int64_t n) { /* lanes [0, n) on, n in [0, 
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), idx);
 }
 
+/* c0/c1[r] += a[r * rs + k * ks] * bp[k, 0:16] over k in [0, K), rows r in [0, R): the rank-1
+ * updates of a 6 x 16 register tile (bp: a packed 16-column panel or strip, K x 16) */
+static inline __attribute__((always_inline)) void
+KFN(co_ts_fma)(const int R, const float *a, int64_t rs, int64_t ks, const float *bp, int64_t K, __m256 *c0, __m256 *c1) {
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < K; ++k) {
+        const __m256 b0 = _mm256_load_ps(bp + k * CO_TS_NR), b1 = _mm256_load_ps(bp + k * CO_TS_NR + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) {
+            const __m256 av = _mm256_broadcast_ss(a + r * rs + k * ks);
+            c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
+            c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
+        }
+    }
+}
+
 /* rows [0, R) of the R x 16 tile c[:, n0 : n0 + ncols] from A rows a (lda = K) and one panel bp */
 static inline __attribute__((always_inline)) void
 KFN(co_ts_tile)(const int R, const float *a, int64_t K, const float *bp, const float *a2, int64_t K2,
@@ -57,25 +73,8 @@ KFN(co_ts_tile)(const int R, const float *a, int64_t K, const float *bp, const f
     __m256 c0[CO_TS_MR], c1[CO_TS_MR];
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
-#pragma GCC unroll 4
-    for (int64_t k = 0; k < K; ++k) {
-        const __m256 b0 = _mm256_load_ps(bp + k * CO_TS_NR), b1 = _mm256_load_ps(bp + k * CO_TS_NR + 8);
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r) {
-            const __m256 av = _mm256_broadcast_ss(a + r * K + k);
-            c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
-            c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
-        }
-    }
-    for (int64_t k = 0; a2 && k < K2; ++k) { /* the second product, into the same registers */
-        const __m256 b0 = _mm256_load_ps(bp2 + k * CO_TS_NR), b1 = _mm256_load_ps(bp2 + k * CO_TS_NR + 8);
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r) {
-            const __m256 av = _mm256_broadcast_ss(a2 + r * K2 + k);
-            c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
-            c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
-        }
-    }
+    KFN(co_ts_fma)(R, a, K, 1, bp, K, c0, c1);
+    if (a2) KFN(co_ts_fma)(R, a2, K2, 1, bp2, K2, c0, c1); /* the second product, into the same registers */
     if (ncols == CO_TS_NR) {
         const __m256 bi0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
         const __m256 bi1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
@@ -140,16 +139,7 @@ KFN(co_ts_tn_tile)(const int R, const float *ap, const float *bp, int64_t L, flo
     __m256 c0[CO_TS_MR], c1[CO_TS_MR];
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
-#pragma GCC unroll 4
-    for (int64_t m = 0; m < L; ++m) {
-        const __m256 b0 = _mm256_load_ps(bp + m * CO_TS_NR), b1 = _mm256_load_ps(bp + m * CO_TS_NR + 8);
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r) {
-            const __m256 av = _mm256_broadcast_ss(ap + m * CO_TS_MR + r);
-            c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
-            c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
-        }
-    }
+    KFN(co_ts_fma)(R, ap, 1, CO_TS_MR, bp, L, c0, c1);
     /* part is padded to a multiple of 16 columns: whole-vector updates are in bounds */
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
