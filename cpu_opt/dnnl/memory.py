@@ -124,11 +124,14 @@ def empty_for(md: MemoryDesc) -> torch.Tensor:
 
 class ThreadSlots:
     """Per-thread reusable memory objects and argument arrays for one compiled primitive, so a
-    call only swaps data pointers and several threads can run the same primitive at once."""
+    call only swaps data pointers and several threads can run the same primitive at once.
+    ``per_thread`` args (the scratchpad) get a buffer of their own in each thread."""
 
-    def __init__(self, arg_mds: list[tuple[int, MemoryDesc]], fixed: dict[int, torch.Tensor]):
+    def __init__(self, arg_mds: list[tuple[int, MemoryDesc]], fixed: dict[int, torch.Tensor],
+                 per_thread: tuple[int, ...] = ()):
         self._arg_mds = arg_mds
         self._fixed = fixed
+        self._per_thread = per_thread
         self._tls = threading.local()
 
     def get(self):
@@ -137,8 +140,9 @@ class ThreadSlots:
             f = L.ffi()
             mems = {}
             args = f.new("dnnl_exec_arg_t[]", len(self._arg_mds))
+            own = self._tls.buffers = {a: empty_for(md) for a, md in self._arg_mds if a in self._per_thread}
             for i, (arg, md) in enumerate(self._arg_mds):
-                m = memory(md, self._fixed.get(arg))
+                m = memory(md, own.get(arg, self._fixed.get(arg)))
                 mems[arg] = m
                 args[i].arg = arg
                 args[i].memory = m

@@ -80,7 +80,14 @@ class Compiled:
         return L.ffi().string(out[0]).decode()
 
     def bind(self, args: list[tuple[int, MemoryDesc]], fixed: dict | None = None):
-        self.slots = ThreadSlots(args, fixed or {})
+        """The primitive's arguments; with a user scratchpad (:class:`_Attr` asks for one) each
+        thread gets its own scratchpad buffer."""
+        scratch = self.query_md("scratchpad")
+        per_thread = ()
+        if scratch.size_bytes() > 0:
+            args = [*args, (L.lib().DNNL_ARG_SCRATCHPAD, scratch)]
+            per_thread = (L.lib().DNNL_ARG_SCRATCHPAD,)
+        self.slots = ThreadSlots(args, fixed or {}, per_thread)
 
     def run(self, tensors: dict[int, torch.Tensor]) -> None:
         mems, args = self.slots.get()
@@ -101,6 +108,11 @@ class _Attr:
         L.check(l.dnnl_primitive_attr_create(p), "dnnl_primitive_attr_create")
         self.handle = f.gc(p[0], l.dnnl_primitive_attr_destroy)
         self.binary_args: list[tuple[int, MemoryDesc]] = []
+        # The scratchpad in user mode, one buffer per calling thread (Compiled.bind): with oneDNN's
+        # library-managed scratchpad, the AVX-512 and AMX kernels (brg:*, gemm:jit:bf16) gave wrong
+        # numbers (tens off) when two Python threads ran primitives at once; AVX2's gemm:jit did not.
+        L.check(l.dnnl_primitive_attr_set_scratchpad_mode(self.handle, l.dnnl_scratchpad_mode_user),
+                "dnnl_primitive_attr_set_scratchpad_mode")
         if post_ops:
             pp = f.new("dnnl_post_ops_t *")
             L.check(l.dnnl_post_ops_create(pp), "dnnl_post_ops_create")
@@ -367,6 +379,12 @@ class Matmul:
     def impl(self, M: int) -> str:
         return self._compiled(M)[0].impl
 
+    def __deepcopy__(self, memo):
+        """The weights are packed once and never written again, and every thread runs with its own
+        memory objects and scratchpad: a deep copy (``copy.deepcopy`` of a converted int8 model) can
+        share this object."""
+        return self
+
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
            post_ops: Sequence[PostOp | str] = (), *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -596,15 +614,13 @@ def reorder_into(src: torch.Tensor, src_md: MemoryDesc, dst: torch.Tensor, dst_m
     """Copy ``src`` (described by ``src_md``) into ``dst``'s buffer in layout ``dst_md``."""
     l, f = L.lib(), L.ffi()
     pd = f.new("dnnl_primitive_desc_t *")
-    L.check(l.dnnl_reorder_primitive_desc_create(pd, src_md.handle, L.engine(), dst_md.handle, L.engine(), f.NULL),
+    attr = _Attr()   # a user scratchpad, as for every primitive here (a reorder may be run from any thread)
+    L.check(l.dnnl_reorder_primitive_desc_create(pd, src_md.handle, L.engine(), dst_md.handle, L.engine(),
+                                                 attr.handle),
             "dnnl_reorder_primitive_desc_create", f"{src_md} -> {dst_md}")
     comp = Compiled(pd[0], "reorder")
-    sm = memory(src_md, src)
-    dm = memory(dst_md, dst)
-    args = f.new("dnnl_exec_arg_t[]", 2)
-    args[0].arg, args[0].memory = l.DNNL_ARG_FROM, sm
-    args[1].arg, args[1].memory = l.DNNL_ARG_TO, dm
-    L.check(l.dnnl_primitive_execute(comp.prim, L.stream(), 2, args), "dnnl_primitive_execute", "reorder")
+    comp.bind([(l.DNNL_ARG_FROM, src_md), (l.DNNL_ARG_TO, dst_md)])
+    comp.run({l.DNNL_ARG_FROM: src, l.DNNL_ARG_TO: dst})
     L.check(l.dnnl_stream_wait(L.stream()), "dnnl_stream_wait", "reorder")
 
 
