@@ -159,13 +159,17 @@ def _time(fn, x, repeats=7):
     return statistics.median(ts)
 
 
-def choose_family(kind: str, rows: int, macs: int) -> tuple[str, str]:
+def choose_family(kind: str, rows: int, macs: int, conv=None) -> tuple[str, str]:
     """The int8 kernel family for a layer: ``cpu_opt.routing`` (table or this machine's measured
-    profile) for ``linear``/``conv`` int8 at this row count."""
+    profile) for ``linear``/``conv`` int8 at this row count. ``conv`` (weight shape, groups,
+    dilation) keeps depthwise convolutions off FBGEMM where its kernel would saturate."""
+    from cpu_opt.backends.fbgemm import depthwise_saturates
     from cpu_opt.platform import routing
 
     r = routing.route("linear" if kind == "linear" else "conv", "int8", rows=rows, macs=macs)
     fam, why = r.backend, f"routing ({r.source}): {r.why}"
+    if conv is not None and K.CONV_KERNELS.get(fam) is K.FbgemmConv2d and depthwise_saturates(*conv):
+        fam, why = "torch_onednn", f"FBGEMM's depthwise kernel saturates with 8-bit activations; {why}"
     if kind == "conv2d" and fam == "onednn":
         fam, why = "torch_onednn", f"cpu_opt's oneDNN 3.2 binding has no int8 convolution; torch's oneDNN 3.12: {why}"
     if fam == "onednn":
@@ -221,7 +225,8 @@ def convert(prepared: nn.Module, *, autotune: bool = False, inplace: bool = Fals
             if fam not in _candidates(obs.kind):
                 raise ValueError(f"{name}: family must be one of {_candidates(obs.kind)}, got {fam!r}")
         else:
-            fam, why = choose_family(obs.kind, rows, macs)
+            fam, why = choose_family(obs.kind, rows, macs, conv=(tuple(w.shape), obs.layer.groups, obs.layer.dilation)
+                                     if obs.kind == "conv2d" else None)
         if autotune and obs.kind and getattr(obs, "last_shape", None) is not None:
             x = _sample_input(obs)
             t = {}

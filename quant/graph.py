@@ -359,7 +359,8 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
         rows = vx.numel() // vx.shape[-1] if L.kind == "linear" else vx.shape[0]
         macs = rows * L.w.numel() if L.kind == "linear" else \
             vx.shape[0] * vx.shape[2] * vx.shape[3] * L.w.numel() // max(1, _first(L.conv["stride"]) ** 2)
-        fam, why = choose_family(L.kind, rows, macs)
+        fam, why = choose_family(L.kind, rows, macs, conv=(tuple(L.w.shape), L.conv["groups"], L.conv["dilation"])
+                                 if L.kind == "conv2d" else None)
         w = L.w.detach().float()
         if L.key in smooth:
             w = w * smooth[L.key][None, :]

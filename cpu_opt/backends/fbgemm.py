@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .int8 import Conv2dKernel, LinearKernel, activation_qmax, as_u8, chain_u8, from_u8, prepack_engine, quantize_input
+from .int8 import (Conv2dKernel, LinearKernel, _pair, activation_qmax, as_u8, chain_u8, from_u8, prepack_engine,
+                   quantize_input)
 
 
 class FbgemmLinear(LinearKernel):
@@ -43,11 +44,28 @@ class FbgemmLinear(LinearKernel):
         return self._finish(y, self.fused_post_op)
 
 
+def depthwise_saturates(w_shape, groups: int, dilation) -> bool:
+    """Whether FBGEMM's depthwise convolution kernel would take this layer with activations it
+    cannot multiply exactly. That kernel adds pairs of u8 x s8 products in int16 (vpmaddubsw) on every
+    CPU, VNNI included, so activations above 127 saturate: measured on a Xeon with AVX512_VNNI and
+    AMX, a 16-channel depthwise 3x3 on uint8 inputs 200..255 came out 3.5 output steps off, 14.5 for
+    7x7 (groups == channels, dilation 1, kernel > 1x1; dilated and 1x1 depthwise layers and grouped
+    ones with 2+ channels a group were exact). Below VNNI the activations are 7-bit anyway."""
+    cout, cin_per_group, kh, kw = w_shape
+    return (activation_qmax() == 255 and groups > 1 and cin_per_group == 1 and kh * kw > 1
+            and all(d == 1 for d in _pair(dilation)))
+
+
 class FbgemmConv2d(Conv2dKernel):
     family = "fbgemm"
 
     def __init__(self, wq, w_scales, bias, x_qparams, **kw):
         super().__init__(wq, w_scales, bias, x_qparams, **kw)
+        if depthwise_saturates(tuple(wq.shape), self.groups, self.dilation):
+            raise ValueError(
+                f"FBGEMM's depthwise convolution ({tuple(wq.shape)}, groups {self.groups}) adds products in int16 "
+                "and saturates with the 8-bit activations this CPU's other int8 kernels take (VNNI): use the "
+                "torch_onednn family for this layer")
         qw = torch._make_per_channel_quantized_tensor(wq.contiguous(), self.w_scales.double(),
                                                       torch.zeros(wq.shape[0], dtype=torch.int64), 0)
         with prepack_engine("fbgemm"):

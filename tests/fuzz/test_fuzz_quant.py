@@ -4,11 +4,13 @@ inputs and outputs, residuals, and random (valid and invalid) quantization param
 equals the float64 reference of the dequantized operands (within one output step where the
 kernel requantizes) or raises a clear Python exception — never a crash, and the inputs are never
 written."""
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from cpu_opt.backends.fbgemm import depthwise_saturates
 from cpu_opt.quant import kernels as K
 
 from fuzz_util import CLEAR_ERRORS
@@ -91,6 +93,12 @@ def test_conv_kernels(nb, c, h, o_mult, ks, stride, depthwise, family, post, res
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     kw = {"x_shape": tuple(x.shape)} if family == "torch_onednn" else {}
+    if K.CONV_KERNELS[family] is K.FbgemmConv2d and depthwise_saturates((o, c // groups, ks, ks), groups, 1):
+        # FBGEMM's depthwise kernel with this CPU's 8-bit activations would saturate: refused, by name
+        with pytest.raises(ValueError, match="saturates with the 8-bit activations"):
+            K.CONV_KERNELS[family](wq, ws, b, (xs, xz), post_op=post, stride=stride, padding=ks // 2, dilation=1,
+                                   groups=groups)
+        return
     try:
         kern = K.CONV_KERNELS[family](wq, ws, b, (xs, xz), post_op=post, stride=stride, padding=ks // 2, dilation=1,
                                       groups=groups, **kw)

@@ -17,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_testutil import (REF_POST, X_QMAX, buildable_families, dequant_u8, dequant_w,  # noqa: E402
                             grid_input, int8_weights, minmax_qparams, quantize_ref, ref_conv2d)
 
+from cpu_opt.backends.fbgemm import depthwise_saturates  # noqa: E402
+from cpu_opt.quant import choose_family  # noqa: E402
 from cpu_opt.quant import kernels as K  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning")
@@ -158,7 +160,15 @@ def _conv_case(geom: str, bias: bool, seed=21, batch=2, hw=9):
 
 
 def _conv_kernel(family, wq, ws, b, conv, x_shape, **kw):
+    """The kernel, or None where FBGEMM's depthwise kernel would saturate with this CPU's 8-bit
+    activations: then the refusal is what is asserted (and that the layer is routed elsewhere)."""
     extra = {"x_shape": tuple(x_shape)} if family == "torch_onednn" else {}
+    if family == "fbgemm" and depthwise_saturates(tuple(wq.shape), conv["groups"], conv["dilation"]):
+        with pytest.raises(ValueError, match="saturates with the 8-bit activations"):
+            K.CONV_KERNELS[family](wq, ws, b, (XS, XZ), **conv, **extra, **kw)
+        fam, why = choose_family("conv2d", x_shape[0], 10**9, conv=(tuple(wq.shape), conv["groups"], conv["dilation"]))
+        assert K.CONV_KERNELS[fam] is not K.FbgemmConv2d, (fam, why)
+        return None
     return K.CONV_KERNELS[family](wq, ws, b, (XS, XZ), **conv, **extra, **kw)
 
 
@@ -201,6 +211,8 @@ def test_conv_fp32_output_matches_float64_reference(family, geom, post_op, bias)
     wq, ws, b, x, u, raw, conv = _conv_case(geom, bias)
     ref = REF_POST[post_op](raw)
     k = _conv_kernel(family, wq, ws, b, conv, x.shape, post_op=post_op)
+    if k is None:
+        return
     _qparams_as_graph_sets_them(k, raw, ref, chained=False)
     assert k.family == family and k.kind == "conv2d"
     y = k(x)
@@ -215,8 +227,27 @@ def test_conv_uint8_output_within_one_step(family, geom, post_op):
     wq, ws, b, x, u, raw, conv = _conv_case(geom, True, seed=31)
     ref = REF_POST[post_op](raw)
     k = _conv_kernel(family, wq, ws, b, conv, x.shape, post_op=post_op, out_qparams=_chain_qparams(ref))
+    if k is None:
+        return
     _qparams_as_graph_sets_them(k, raw, ref, chained=True)
     _check_conv(family, post_op, k(x), ref, k, chained=True)
+
+
+@pytest.mark.parametrize("geom", list(GEOMETRIES))
+def test_a_route_to_fbgemm_leaves_depthwise_layers_that_would_saturate(geom, monkeypatch):
+    """Where the routing table or profile says FBGEMM for int8 convolutions, a depthwise layer whose
+    FBGEMM kernel saturates with this CPU's 8-bit activations goes to torch's oneDNN instead."""
+    from cpu_opt.platform import routing
+
+    monkeypatch.setattr(routing, "route", lambda work, dtype, **kw: routing.Route(work, dtype, "fbgemm", "forced"))
+    wq, ws, b, x, u, raw, conv = _conv_case(geom, True)
+    geometry = (tuple(wq.shape), conv["groups"], conv["dilation"])
+    fam, why = choose_family("conv2d", 2, 10**9, conv=geometry)
+    if depthwise_saturates(*geometry):
+        assert geom == "depthwise" and X_QMAX == 255
+        assert fam == "torch_onednn" and "saturates" in why, (fam, why)
+    else:
+        assert fam == "fbgemm" and why == "routing (table): forced"
 
 
 @pytest.mark.parametrize("out", ["fp32", "uint8"])

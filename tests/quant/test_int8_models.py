@@ -394,10 +394,11 @@ def test_smoothquant_beats_plain_static_on_outlier_channels(path, outlier_model)
         else:
             opt = cpu_opt.optimize(model, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=mapping)
             v = opt.report()["validation"]
-            if alpha is None:
-                # plain static int8 is too far off here (cosine 0.964 < INT8_MIN_COSINE): optimize keeps the
-                # layers with the largest own error in fp32 until it passes, and says so; the SQNR of
-                # the all-int8 plan it measured first is in the report
+            if alpha is None and "first_try" in v:
+                # plain static int8 with 7-bit activations (no VNNI) is too far off here (cosine 0.964 <
+                # INT8_MIN_COSINE): optimize keeps the layers with the largest own error in fp32 until it
+                # passes, and says so; the SQNR of the all-int8 plan it measured first is in the report.
+                # With VNNI's 8-bit activations it passes at once (cosine 0.990, 17 dB on a Xeon with AMX)
                 assert "fell_back" not in v and v["first_try"]["min_cosine"] < 0.97, v
                 assert v["ok"] and v["int8_layers_in_fp32"], v
                 sq[alpha] = v["first_try"]["min_sqnr_db"]
@@ -408,7 +409,8 @@ def test_smoothquant_beats_plain_static_on_outlier_channels(path, outlier_model)
         assert {li["layer"] for li in rows} == {"fc1", "fc2", "proj"}
         assert all(li["smoothquant"] is (alpha is not None) for li in rows), rows
         sq[alpha] = sqnr_db(out, ref)
-    # SmoothQuant moves the x50 channels into the weights: measurably better (33 vs 11 dB here)
+    # SmoothQuant moves the x50 channels into the weights: measurably better (33 vs 11 dB with 7-bit
+    # activations on a Zen 3, 34.5 vs 17 dB with 8-bit ones on a Xeon with AMX)
     assert sq[0.5] >= sq[None] + 10.0, sq
     assert sq[0.5] >= SQNR_FLOOR_DB, sq
 
@@ -623,7 +625,8 @@ def test_optimize_int8_on_each_family(monkeypatch):
     for i, lin in enumerate(families["linear"]):
         conv = families["conv2d"][i % len(families["conv2d"])]
         monkeypatch.setattr(api, "choose_family",
-                            lambda kind, rows, macs, lin=lin, conv=conv: (lin if kind == "linear" else conv, "forced"))
+                            lambda kind, rows, macs, conv=None, lin=lin, conv_fam=conv:
+                            (lin if kind == "linear" else conv_fam, "forced"))
         for model, calib, x in ((mlp, mlp_calib, xm), (blk, blk_calib, xb)):
             opt = cpu_opt.optimize(model, (x,), dtype="int8", calibration_data=calib,
                                    qconfig_mapping=minmax_mapping())
