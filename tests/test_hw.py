@@ -201,6 +201,8 @@ def test_cap_avx512_core_vnni_keeps_vnni_drops_bf16():
 def test_each_x86_level_adds_exactly_its_features_on_spr(level, top):
     levels = list(hw.X86_ISA_LEVELS)
     below = levels[levels.index(level) - 1] if levels.index(level) else None
+    if level == "avx512_core":
+        below = "avx2"   # avx2_vnni is a side branch: oneDNN's AVX512_CORE does not include it
     here = info("intel_sapphirerapids", cap=level).isa
     assert top <= here
     if below:
@@ -463,8 +465,12 @@ def test_onednn_cap_variable_caps_detect_and_the_lower_cap_wins(fresh_detect, mo
 def test_export_cap_sets_library_variables_only_when_unset(monkeypatch):
     if hw.detect().arch != "x86_64":
         pytest.skip("x86-64 only")
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    for var in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        # set, then delete: monkeypatch then restores the variable's real state afterwards (a bare
+        # delenv of an unset variable records nothing, and export_cap's AVX2 leaked into later tests,
+        # capping hw.detect() there)
+        monkeypatch.setenv(var, "unset")
+        monkeypatch.delenv(var)
     monkeypatch.setenv("CPU_OPT_MAX_ISA", "avx2")
     hw.export_cap()
     import os
@@ -512,3 +518,13 @@ def test_bf16_and_vnni_predicates_separate_accepting_from_native():
     assert not hw.has_avx512_core(z3) and not hw.has_native_bf16(z3) and not hw.has_vnni(z3)
     assert hw.has_native_bf16(spr) and not hw.has_native_bf16(info("intel_sapphirerapids", cap="avx512_core_vnni"))
     assert not hw.has_avx512_core(info("amd_zen5", cap="avx2"))
+
+
+def test_the_avx512_core_cap_drops_avx_vnni_as_onednn_does():
+    """oneDNN's AVX512_CORE excludes AVX2_VNNI: capped there, a CPU with both AVX-VNNI and AVX512_VNNI
+    (Sapphire Rapids and later) must have no VNNI at all, or 8-bit activations would saturate."""
+    feats = {"avx2", "avx_vnni", "avx512f", "avx512_vnni", "amx_int8"}
+    core = hw.apply_isa_cap("x86_64", feats, "avx512_core")
+    assert core == {"avx2", "avx512f"}
+    assert hw.apply_isa_cap("x86_64", feats, "avx2_vnni") == {"avx2", "avx_vnni"}
+    assert hw.apply_isa_cap("x86_64", feats, "avx512_core_vnni") == {"avx2", "avx_vnni", "avx512f", "avx512_vnni"}

@@ -275,8 +275,15 @@ def apply_isa_cap(arch: str, features: set, cap: str | None) -> set:
         allowed |= feats
         if name == cap_l:
             break
+    allowed -= _OFF_BRANCH.get(cap_l, set())
     known = set().union(*levels.values())
     return {f for f in features if f in allowed or f not in known}
+
+
+# Levels that are not a superset of every level listed before them: oneDNN's AVX512_CORE does not
+# include AVX2_VNNI (avx2_vnni is a side branch of its ISA tree), so under that cap neither oneDNN nor
+# cpu_opt may count on AVX-VNNI (on a Xeon with AMX, 8-bit activations then saturated oneDNN's kernels).
+_OFF_BRANCH = {"avx512_core": {"avx_vnni"}}
 
 
 def normalize_isa_cap(cap: str | None) -> str | None:
