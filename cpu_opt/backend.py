@@ -13,10 +13,17 @@ def wants_gradients(gm, args) -> bool:
         any(p.requires_grad for p in gm.parameters())
 
 
-def cpu_opt_backend(gm, example_inputs, **options):
+def cpu_opt_backend(gm, example_inputs, options: dict | None = None, mode: str | None = None, **kwargs):
     """Graphs with graph breaks arrive one by one (each optimized on its own); dynamo's dynamic sizes
     arrive as int inputs, which cpu_opt treats as constants of a capture. Inference only: a call that
-    would need gradients raises instead of silently returning outputs without them."""
+    would need gradients raises instead of silently returning outputs without them.
+
+    ``torch.compile(model, backend="cpu_opt", options={"dtype": "fp32"})`` passes ``optimize``'s
+    keyword arguments (dtype, validate, autotune ...); torch.compile's ``mode`` has no meaning here."""
+    if mode is not None:
+        raise ValueError(f"the cpu_opt backend takes no torch.compile mode (got {mode!r}); pass optimize's "
+                         "keyword arguments as options={...}")
+    options = {**(options or {}), **kwargs}
     state = {}
 
     def run(*args):

@@ -148,12 +148,35 @@ def test_output_buffers_are_not_shared_between_calls():
 
 
 def test_torch_compile_backend():
+    from cpu_opt import backend
+
     m = Block().eval()
     x = torch.randn(2, 3, 8, 8)
     torch._dynamo.reset()
+    backend.clear_reports()
     c = torch.compile(m, backend="cpu_opt")
     with torch.no_grad():
+        out = c(x)
+    # the default is optimize's dtype="auto": bf16 where the CPU has native bf16, else fp32
+    (rep,) = backend.reports()
+    assert rep["dtype"] == cpu_opt.routing.auto_dtype(), rep["dtype"]
+    assert _close(out, m(x), tol=2e-2 if rep["dtype"] == "bf16" else 1e-4)
+
+
+def test_torch_compile_backend_takes_optimize_options():
+    from cpu_opt import backend
+
+    m = Block().eval()
+    x = torch.randn(2, 3, 8, 8)
+    torch._dynamo.reset()
+    backend.clear_reports()
+    c = torch.compile(m, backend="cpu_opt", options={"dtype": "fp32"})
+    with torch.no_grad():
         assert _close(c(x), m(x))
+    assert [r["dtype"] for r in backend.reports()] == ["fp32"]
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="takes no torch.compile mode"):
+        torch.compile(m, backend="cpu_opt", mode="max-autotune")(x)
 
 
 def test_autotune_measures_both_plans_and_keeps_one():
@@ -297,7 +320,7 @@ def test_dynamo_backend_with_five_batch_sizes_and_a_graph_break():
     m = Breaks().eval()
     torch._dynamo.reset()
     backend.clear_reports()
-    c = torch.compile(m, backend="cpu_opt")
+    c = torch.compile(m, backend="cpu_opt", options={"dtype": "fp32"})
     with torch.no_grad():
         for b in (2, 3, 4, 5, 7):
             x = torch.randn(b, 8)
@@ -310,7 +333,7 @@ def test_dynamo_backend_with_five_batch_sizes_and_a_graph_break():
 def test_dynamo_backend_refuses_a_call_that_needs_gradients():
     m = Block().eval()
     torch._dynamo.reset()
-    c = torch.compile(m, backend="cpu_opt")
+    c = torch.compile(m, backend="cpu_opt", options={"dtype": "fp32"})
     with pytest.raises(RuntimeError, match="for inference"):
         c(torch.randn(2, 3, 8, 8))  # grad mode on, parameters require grad: no silent drop
     with torch.inference_mode():

@@ -99,7 +99,7 @@ def test_gelu_after_a_routed_linear_runs_on_the_native_kernel(tap, monkeypatch):
     calls = []
     real = native_eltwise._run
     monkeypatch.setattr(native_eltwise, "_run", lambda a, b: calls.append(a is b) or real(a, b))
-    opt = cpu_opt.optimize(m, x)
+    opt = cpu_opt.optimize(m, x, dtype="fp32")
     ref = m(x)
     calls.clear()
     out = opt(x)
@@ -123,7 +123,7 @@ def test_tanh_gelu_is_not_routed():
     torch.manual_seed(0)
     m = FFN(approximate="tanh").eval()
     x = torch.randn(2, 128, 256)
-    opt = cpu_opt.optimize(m, x)
+    opt = cpu_opt.optimize(m, x, dtype="fp32")
     assert ((opt(x) - m(x)).abs().max() / m(x).abs().max()) < 1e-5
     assert not _gelu_routes(opt)
 
@@ -176,7 +176,7 @@ def test_per_channel_scale_after_linear_folds_into_the_weights(kind, folds):
         got = gm(x)
         got = got[0] if isinstance(got, (tuple, list)) else got
         assert (got - ref).abs().max() < 1e-5 * ref.abs().max()
-        opt = cpu_opt.optimize(m, x)
+        opt = cpu_opt.optimize(m, x, dtype="fp32")
         assert (opt(x) - ref).abs().max() < 1e-5 * ref.abs().max()
 
 
@@ -185,6 +185,6 @@ def test_scale_fold_leaves_the_model_parameters_alone():
     m = LayerScale("channel").eval()
     w, b, g = m.fc.weight.detach().clone(), m.fc.bias.detach().clone(), m.gamma.detach().clone()
     x = torch.randn(3, 10, 32)
-    opt = cpu_opt.optimize(m, x)
+    opt = cpu_opt.optimize(m, x, dtype="fp32")
     opt(x)
     assert torch.equal(m.fc.weight, w) and torch.equal(m.fc.bias, b) and torch.equal(m.gamma, g)

@@ -91,7 +91,7 @@ def test_decode_rows_route_to_the_native_gemv_and_match_eager(rows, monkeypatch)
     torch.manual_seed(0)
     m = DecodeStep().eval()
     x = torch.randn(1, rows, 256)
-    opt = cpu_opt.optimize(m, x)
+    opt = cpu_opt.optimize(m, x, dtype="fp32")
     calls, fallbacks = [], []
     real_linear, real_torch = native_linear.linear, native_linear._torch
     monkeypatch.setattr(native_linear, "linear", lambda *a: calls.append(1) or real_linear(*a))
