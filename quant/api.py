@@ -168,10 +168,10 @@ def choose_family(kind: str, rows: int, macs: int, conv=None) -> tuple[str, str]
 
     r = routing.route("linear" if kind == "linear" else "conv", "int8", rows=rows, macs=macs)
     fam, why = r.backend, f"routing ({r.source}): {r.why}"
+    if fam == "torch":   # torch's own x86 int8 kernels are FBGEMM's (its reference paths below AVX2)
+        fam = "fbgemm"
     if conv is not None and K.CONV_KERNELS.get(fam) is K.FbgemmConv2d and depthwise_saturates(*conv):
         fam, why = "torch_onednn", f"FBGEMM's depthwise kernel saturates with 8-bit activations; {why}"
-    if kind == "conv2d" and fam == "onednn":
-        fam, why = "torch_onednn", f"cpu_opt's oneDNN 3.2 binding has no int8 convolution; torch's oneDNN 3.12: {why}"
     if fam == "onednn":
         try:
             from cpu_opt.dnnl import probe

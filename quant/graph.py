@@ -345,15 +345,21 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
     chain_qp = {}   # new node writing uint8 -> its (scale, zero point)
     for L in layers:
         # a chain: every user of the value is an int8 layer reading it as its input (all with the
-        # same scale) or as the residual of a fused convolution + add
+        # same scale) or as the residual of a fused convolution + add, or a max-pool whose every user
+        # is such a layer input (max commutes with quantization: the pool runs on the bytes)
         users = list(L.value.users)
+        pools = [u for u in users if _max_pool(u) is not None]
+        direct = [u for u in users if u not in pools]
         consumers = [c for c in by_input.get(L.value, []) if c.key not in smooth]
         residuals = by_other.get(L.value, [])
-        chained = (bool(users) and len(consumers) + len(residuals) == len(users)
-                   and {c.node for c in consumers} | {c.add for c in residuals} == set(users)
-                   and len({x_qp[c.key] for c in consumers}) <= 1
+        pooled = [c for p in pools for c in by_input.get(p, []) if c.key not in smooth]
+        chained = (bool(users) and len(consumers) + len(residuals) == len(direct)
+                   and {c.node for c in consumers} | {c.add for c in residuals} == set(direct)
+                   and all(_read_by_int8_layers(p, by_input, by_other, smooth) for p in pools)
+                   and len({x_qp[c.key] for c in consumers + pooled}) <= 1
                    and all(sum(1 for a in c.node.args if a is L.value) == 1 for c in consumers)
                    and all(sum(1 for a in c.add.args if a is L.value) == 1 for c in residuals))
+        consumers = consumers + pooled
         out_qp = (x_qp[consumers[0].key] if consumers else _qp(state.qparams[L.key]["out"])) if chained else None
         vx = fx.node_value(L.x)
         rows = vx.numel() // vx.shape[-1] if L.kind == "linear" else vx.shape[0]
@@ -374,7 +380,7 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
                     kw["rows"] = rows
                 k = K.LINEAR_KERNELS[fam](wq, ws, L.b, x_qp[L.key], **kw)
             else:
-                if fam == "torch_onednn":
+                if fam in ("torch_onednn", "onednn"):
                     kw["x_shape"] = tuple(vx.shape)
                 k = K.CONV_KERNELS[fam](wq, ws, L.b, x_qp[L.key], **L.conv, **kw)
             # ranges FBGEMM requantizes outputs to (fed to no GEMM, so all 8 bits)
@@ -408,6 +414,16 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
         new_nodes[L.value] = new
         if chained:
             chain_qp[new] = out_qp
+            for p in pools:   # the max-pools between this layer and its consumers run on the uint8 bytes
+                with gm.graph.inserting_before(p):
+                    pn = gm.graph.call_function(_u8_max_pool(*_max_pool(p)), (new,))
+                pv = fx.node_value(p)
+                pn.meta = {k: v for k, v in p.meta.items() if k != "val"}
+                pn.meta["val"] = torch.empty_strided(pv.shape, pv.stride(), dtype=torch.uint8, device="meta")
+                p.replace_all_uses_with(pn)
+                gm.graph.erase_node(p)
+                new_nodes[p] = pn
+                chain_qp[pn] = out_qp
         for dead in [d for d in (L.act, L.add) if d is not None] + [L.node]:
             gm.graph.erase_node(dead)
         report.append({"layer": L.name, "node": new.name, "kind": L.kind, "family": fam, "why": why,
@@ -470,6 +486,34 @@ def _measure_families(L, build, vx, x_qp, state):
     med = {f: statistics.median(v) for f, v in times.items()}
     best = min(med, key=med.get)
     return best, "measured on this layer's shape: " + ", ".join(f"{f} {t * 1e3:.3f} ms" for f, t in med.items())
+
+
+def _read_by_int8_layers(p: torch.fx.Node, by_input, by_other, smooth) -> bool:
+    """Is every use of ``p`` an int8 layer's input (not SmoothQuant's, which scales it first) or the
+    residual of a fused convolution + add, each reading it once?"""
+    ins = [c for c in by_input.get(p, []) if c.key not in smooth]
+    res = by_other.get(p, [])
+    return (len(p.users) > 0 and len(ins) + len(res) == len(p.users)
+            and {c.node for c in ins} | {c.add for c in res} == set(p.users)
+            and all(sum(1 for a in c.node.args if a is p) == 1 for c in ins)
+            and all(sum(1 for a in c.add.args if a is p) == 1 for c in res))
+
+
+def _max_pool(n: torch.fx.Node):
+    """``(kernel_size, stride, padding, dilation, ceil_mode)`` of a ``max_pool2d`` node, else None."""
+    if n.op != "call_function" or n.target != aten.max_pool2d.default:
+        return None
+    names = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode")
+    a = dict(zip(names, (None, None, [], 0, 1, False)))
+    a.update(zip(names, n.args))
+    a.update({k: v for k, v in n.kwargs.items() if k in a})
+    return a["kernel_size"], a["stride"], a["padding"], a["dilation"], a["ceil_mode"]
+
+
+def _u8_max_pool(kernel_size, stride, padding, dilation, ceil_mode):
+    from cpu_opt.backends.onednn_primitives import MaxPool2dU8
+
+    return MaxPool2dU8(kernel_size, stride, padding, dilation, ceil_mode)
 
 
 def _first(v):

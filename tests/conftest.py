@@ -15,7 +15,7 @@ os.environ.pop("CPU_OPT_ROUTING_PROFILE", None)
 
 # Test files whose assertions branch on (or exercise code that branches on) the features after the cap.
 ISA_SENSITIVE = ("tests/test_hw.py", "tests/test_native.py", "tests/test_routing.py", "tests/test_profile.py",
-                 "tests/dnnl/", "tests/optimize/", "tests/gnn/", "tests/fuzz/")
+                 "tests/dnnl/", "tests/optimize/", "tests/gnn/", "tests/fuzz/", "tests/quant/")
 
 
 def pytest_configure(config):

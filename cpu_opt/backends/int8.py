@@ -27,6 +27,8 @@ never ``.view``-ed as ``uint8`` (that segfaults; its storage is re-wrapped inste
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -158,6 +160,9 @@ def _check_weights(wq, w_scales, w_zero_points, kind):
 class _Kernel:
     family = "?"
     kind = "?"
+    # a call returns a tensor of its own (new, or this kernel's reused buffer), never a view of an
+    # input: the runtime's escape analysis (cpu_opt.compiler.runtime.may_alias_inputs) reads this
+    output_aliases_inputs = False
 
     def __init__(self, wq, w_scales, bias, x_qparams, *, post_op=None, out_qparams=None, w_zero_points=None):
         if post_op not in _TORCH_POST:
@@ -178,6 +183,32 @@ class _Kernel:
         self.other_qparams = None
         self.raw_qparams = None      # the range of the layer's output before a fused post-op / residual add
         self.fused_post_op = False     # set by a family that runs the post-op inside the kernel
+        # set by the runtime (cpu_opt.compiler.runtime) when no caller can see this layer's output: a
+        # family that writes into a buffer of its own then reuses it across calls (one per thread)
+        self.reuse_output = False
+        self._tls = threading.local()
+
+    def __getstate__(self):   # copy / deepcopy / pickle: the per-thread buffers stay behind
+        state = dict(self.__dict__)
+        state.pop("_tls", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._tls = threading.local()
+
+    def _output(self, key, shape, dtype, memory_format=torch.contiguous_format):
+        """The output tensor of a call: this thread's reused buffer for ``key`` when
+        :attr:`reuse_output` is set, else a new one."""
+        if not self.reuse_output:
+            return torch.empty(shape, dtype=dtype, memory_format=memory_format)
+        bufs = getattr(self._tls, "buffers", None)
+        if bufs is None:
+            bufs = self._tls.buffers = {}
+        out = bufs.get(key)
+        if out is None:
+            out = bufs[key] = torch.empty(shape, dtype=dtype, memory_format=memory_format)
+        return out
 
     def _finish(self, y: torch.Tensor, fused: bool) -> torch.Tensor:
         """float32 y -> the kernel's output: post-op (unless fused), then quint8 if chained."""

@@ -1,9 +1,13 @@
 """cpu_opt's own oneDNN 3.2 binding used op by op (primitives, not Graph partitions): the int8
-Linear kernel of the ``onednn`` family (u8 x s8 -> f32 matmul with scales and zero point inside)."""
+Linear and Conv2d kernels of the ``onednn`` family (u8 x s8 with scales, zero points, the residual
+add and the activation inside the primitive)."""
 from __future__ import annotations
 
+import threading
 
-from .int8 import LinearKernel, input_u8
+import torch
+
+from .int8 import Conv2dKernel, LinearKernel, _is_fake, chain_u8, input_u8
 
 
 class DnnlLinear(LinearKernel):
@@ -21,3 +25,134 @@ class DnnlLinear(LinearKernel):
     def run(self, x, other=None):
         u = input_u8(x, self.x_scale, self.x_zp).contiguous()
         return self._finish(self.mm(u), fused=True)
+
+
+class DnnlConv2d(Conv2dKernel):
+    """cpu_opt's oneDNN 3.2 int8 convolution: u8 x s8 with the input, weight and output scales, the
+    residual add and the activation in one primitive, channels-last, written as uint8 for a chained
+    consumer or as f32. The residual is a binary-add post-op operand, read where it lies (never
+    written, so never copied): an f32 one as it is, a uint8 one (scale ``a_s``, zero point ``a_z``)
+    through ``a_s * (y / a_s - a_z + u)`` (two linear post-ops around the add). Compiled and bound
+    once per input shape (:meth:`cpu_opt.dnnl.primitives.Conv2d.bind`): a call sets a few pointers
+    and runs. With AMX oneDNN 3.2 runs it on ``brgconv:avx512_core_amx`` unless an input or output
+    zero point is nonzero (then on a jit kernel, still faster than torch's oneDNN 3.12 there: see
+    the routing table's rule)."""
+    family = "onednn"
+
+    def __init__(self, wq, w_scales, bias, x_qparams, *, x_shape=None, **kw):
+        super().__init__(wq, w_scales, bias, x_qparams, **kw)
+        self.wq = wq.contiguous()
+        self.fused_post_op = True   # every post-op of cpu_opt.quant is a oneDNN eltwise
+        self._bound: dict = {}
+        if x_shape is not None:   # compile (and pack the weights) now, not on the first call
+            self._conv(tuple(x_shape), None)
+
+    def _conv(self, shape: tuple, residual: torch.Tensor | None):
+        """The bound primitive for input ``shape`` and a residual like ``residual`` (None, uint8
+        with :attr:`other_qparams`, or f32, channels-last)."""
+        kind = None if residual is None else (residual.dtype, tuple(residual.shape), tuple(residual.stride()))
+        key = (shape, kind)
+        bound = self._bound.get(key)
+        if bound is None:
+            from cpu_opt.dnnl.primitives import Conv2d, PostOp
+
+            post = []
+            if residual is not None:
+                add = PostOp("add", shape=tuple(residual.shape), dtype=residual.dtype, strides=tuple(residual.stride()))
+                if residual.dtype == torch.uint8:
+                    a_s, a_z = self.other_qparams
+                    post += [PostOp("linear", alpha=1.0 / a_s, beta=-float(a_z)), add, PostOp("linear", alpha=a_s)]
+                else:
+                    post.append(add)
+            if self.post_op is not None:
+                post.append(self.post_op)
+            ys, yz = self.out_qparams if self.out_qparams is not None else (None, None)
+            conv = Conv2d(self.wq, self.bias, stride=self.stride, padding=self.padding, dilation=self.dilation,
+                          groups=self.groups, post_ops=post,
+                          dst_dtype=torch.uint8 if self.out_qparams is not None else torch.float32,
+                          src_scale=self.x_scale, weight_scales=self.w_scales, dst_scale=ys,
+                          src_zero_point=self.x_zp, dst_zero_point=yz)
+            bound = self._bound[key] = conv.bind(shape, torch.channels_last)
+        return bound
+
+    def impl(self, shape) -> str:
+        """oneDNN's implementation for input ``shape`` (``brgconv:avx512_core_amx`` ...)."""
+        return self._conv(tuple(shape), None).impl
+
+    def run(self, x, other=None):
+        cl = torch.channels_last
+        u = input_u8(x, self.x_scale, self.x_zp)
+        if not u.is_contiguous(memory_format=cl):
+            u = u.contiguous(memory_format=cl)
+        if other is None:
+            bound = self._conv(tuple(u.shape), None)
+            y = bound(u, self._output(bound, bound.out_shape, bound.dst_dtype, cl) if self.reuse_output else None)
+        else:
+            if other.dtype == torch.uint8:
+                if self.other_qparams is None:
+                    raise RuntimeError("conv2d: a uint8 residual without its quantization parameters")
+            elif other.dtype != torch.float32:
+                other = other.float()
+            if not other.is_contiguous(memory_format=cl):
+                other = other.contiguous(memory_format=cl)
+            bound = self._conv(tuple(u.shape), other)
+            y = bound(u, self._output(bound, bound.out_shape, bound.dst_dtype, cl) if self.reuse_output else None,
+                      binary=other)
+        return chain_u8(y) if self.out_qparams is not None else y
+
+    def __deepcopy__(self, memo):
+        """Immutable once built (packed weights, bound primitives with per-thread memory): shared."""
+        return self
+
+
+class MaxPool2dU8:
+    """``max_pool2d`` on chained uint8 activations of an int8 graph (``cpu_opt.quant.graph``): max
+    commutes with the monotonic quantization, so the pooled bytes are the bytes of the pooled values
+    and the chain goes on through the pooling (a ResNet stem: convolution -> max-pool -> convolution)
+    without a dequantize and a quantize around it. oneDNN's pooling primitive, compiled per input
+    shape, channels-last; the output buffer is reused across calls where the runtime allows (as the
+    int8 kernels')."""
+    output_aliases_inputs = False
+
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False):
+        self.args = (kernel_size, stride if stride not in (None, [], ()) else kernel_size, padding, dilation,
+                     bool(ceil_mode))
+        self.reuse_output = False
+        self._pools: dict = {}
+        self._tls = threading.local()
+        self.__name__ = "int8_max_pool2d"
+
+    def _pool(self, shape):
+        pool = self._pools.get(shape)
+        if pool is None:
+            from cpu_opt.dnnl.primitives import MaxPool2d
+
+            pool = self._pools[shape] = MaxPool2d(shape, torch.uint8, *self.args)
+        return pool
+
+    def __call__(self, x):
+        if _is_fake(x):
+            k, s, p, d, c = self.args
+            shape = torch.nn.functional.max_pool2d(torch.empty(x.shape, device="meta"), k, s, p, d, c).shape
+            return torch.empty(shape, dtype=torch.uint8, device=x.device)
+        if x.dtype != torch.uint8:
+            raise TypeError(f"int8_max_pool2d takes chained uint8 activations, got {x.dtype}")
+        cl = torch.channels_last
+        if not x.is_contiguous(memory_format=cl):
+            x = x.contiguous(memory_format=cl)
+        pool = self._pool(tuple(x.shape))
+        out = None
+        if self.reuse_output:
+            bufs = getattr(self._tls, "buffers", None)
+            if bufs is None:
+                bufs = self._tls.buffers = {}
+            out = bufs.get(pool.out_shape)
+            if out is None:
+                out = bufs[pool.out_shape] = torch.empty(pool.out_shape, dtype=torch.uint8, memory_format=cl)
+        return pool(x, out)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self):
+        return f"MaxPool2dU8{self.args}"

@@ -30,6 +30,8 @@ def may_alias_inputs(n: torch.fx.Node) -> bool:
         return n.op in ("call_method", "call_module")
     if n.target is operator.getitem:
         return True
+    if getattr(n.target, "output_aliases_inputs", True) is False:  # declared by the callable (int8 kernels)
+        return False
     schema = getattr(n.target, "_schema", None)
     if schema is None:
         return True
@@ -92,6 +94,9 @@ def build_program(gm: torch.fx.GraphModule, low: LoweredGraph, channels_last: bo
                 new.output(torch.fx.node.map_arg(what.args[0], lambda a: env[a]))
             else:
                 env[what] = new.node_copy(what, lambda a: env[a])
+                if what.op == "call_function" and hasattr(what.target, "reuse_output"):
+                    # an int8 kernel (cpu_opt.quant): reuses its output buffer where no caller sees it
+                    what.target.reuse_output = what not in escaping
         if len(rest) == len(pending):
             raise RuntimeError("could not order steps; stuck at "
                                f"{[str(u[2] if u[1] == 'node' else 'partition %d' % u[2]) for u in rest[:5]]}")

@@ -33,6 +33,7 @@ ELTWISE = {
     "tanh": ("dnnl_eltwise_tanh", 0.0, 0.0),
     "hardswish": ("dnnl_eltwise_hardswish", 1.0 / 6.0, 0.5),
     "hardsigmoid": ("dnnl_eltwise_hardsigmoid", 1.0 / 6.0, 0.5),
+    "linear": ("dnnl_eltwise_linear", None, None),   # alpha * x + beta: PostOp("linear", alpha=, beta=)
 }
 
 
@@ -40,8 +41,12 @@ ELTWISE = {
 class PostOp:
     kind: str                     # an ELTWISE name, "sum", "add" or "mul"
     scale: float = 1.0            # for "sum"
+    zero_point: int = 0           # for "sum" into an integer dst: adds scale * (dst - zero_point)
     shape: tuple = ()             # for "add"/"mul": the other operand's shape (broadcastable to dst)
     dtype: torch.dtype = torch.float32
+    strides: tuple | None = None  # for "add"/"mul": the other operand's strides (default: row-major)
+    alpha: float = 1.0            # for "linear": alpha * x + beta
+    beta: float = 0.0
 
     def __post_init__(self):
         if self.kind not in ELTWISE and self.kind not in ("sum", "add", "mul"):
@@ -87,6 +92,7 @@ class Compiled:
         if scratch.size_bytes() > 0:
             args = [*args, (L.lib().DNNL_ARG_SCRATCHPAD, scratch)]
             per_thread = (L.lib().DNNL_ARG_SCRATCHPAD,)
+        self.args, self.per_thread = args, per_thread
         self.slots = ThreadSlots(args, fixed or {}, per_thread)
 
     def run(self, tensors: dict[int, torch.Tensor]) -> None:
@@ -120,16 +126,21 @@ class _Attr:
             for idx, op in enumerate(post_ops):
                 if op.kind in ELTWISE:
                     alg, a, b = ELTWISE[op.kind]
+                    if op.kind == "linear":
+                        a, b = float(op.alpha), float(op.beta)
                     L.check(l.dnnl_post_ops_append_eltwise(po, getattr(l, alg), a, b),
                             "dnnl_post_ops_append_eltwise", op.kind)
                 elif op.kind == "sum":
-                    L.check(l.dnnl_post_ops_append_sum(po, float(op.scale), 0, l.dnnl_data_type_undef),
+                    L.check(l.dnnl_post_ops_append_sum(po, float(op.scale), int(op.zero_point), l.dnnl_data_type_undef),
                             "dnnl_post_ops_append_sum")
                 else:
                     shape = tuple(op.shape)
+                    strides = op.strides
                     if len(shape) < dst_ndims:
+                        if strides is not None:
+                            strides = (0,) * (dst_ndims - len(shape)) + tuple(strides)
                         shape = (1,) * (dst_ndims - len(shape)) + shape
-                    md = MemoryDesc.strided(shape, op.dtype)
+                    md = MemoryDesc.strided(shape, op.dtype, strides)
                     alg = l.dnnl_binary_add if op.kind == "add" else l.dnnl_binary_mul
                     L.check(l.dnnl_post_ops_append_binary(po, alg, md.handle), "dnnl_post_ops_append_binary")
                     arg = l.DNNL_ARG_ATTR_MULTIPLE_POST_OP_BASE * (idx + 1) | l.DNNL_ARG_SRC_1
@@ -219,6 +230,24 @@ def _check_out(out: torch.Tensor, shape, dtype: torch.dtype, *inputs: torch.Tens
             raise ValueError(f"out shares memory with input {i}; pass a separate buffer")
 
 
+def op_strides(post_ops, i: int):
+    """The declared strides of the ``i``-th add/mul post-op's operand (None: row-major)."""
+    return [p for p in post_ops if p.kind in ("add", "mul")][i].strides
+
+
+def _binary_operand(t: torch.Tensor, md: MemoryDesc, strides) -> torch.Tensor:
+    """``t`` as the binary post-op's memory descriptor reads it: its dtype, and row-major (or the
+    declared ``strides``) over the declared shape (a copy where ``t`` lies otherwise)."""
+    t = t.to(md.dtype)
+    if strides is None:
+        return t.contiguous()
+    shape = tuple(md.shape)[len(md.shape) - t.dim():] if t.dim() <= len(md.shape) else tuple(t.shape)
+    strides = tuple(strides)[len(strides) - t.dim():]
+    if tuple(t.stride()) == strides:
+        return t
+    return torch.empty_strided(shape, strides, dtype=t.dtype).copy_(t.reshape(shape))
+
+
 def _strip_leading_ones(shape) -> tuple:
     shape = tuple(shape)
     while shape and shape[0] == 1:
@@ -227,7 +256,8 @@ def _strip_leading_ones(shape) -> tuple:
 
 
 def _post_op_key(post_ops):
-    return tuple((p.kind, p.scale, tuple(p.shape), str(p.dtype)) for p in post_ops)
+    return tuple((p.kind, p.scale, p.zero_point, tuple(p.shape), str(p.dtype), p.strides, p.alpha, p.beta)
+                 for p in post_ops)
 
 
 class Matmul:
@@ -364,7 +394,7 @@ class Matmul:
         for (arg, md), t in zip(comp._attr.binary_args, binary):
             if _strip_leading_ones(t.shape) != _strip_leading_ones(md.shape):
                 raise ValueError(f"binary post-op operand has shape {tuple(t.shape)}, expected {tuple(md.shape)}")
-            t = t.to(md.dtype).contiguous()
+            t = _binary_operand(t, md, op_strides(self.post_ops, len(keep)))
             keep.append(t)
             tensors[arg] = t
         if self.src_scale is not None:
@@ -509,11 +539,24 @@ def _pair(v, name) -> tuple[int, int]:
 class Conv2d:
     """2-D convolution like ``F.conv2d`` (groups, stride, padding, dilation, post-ops), weights
     (O, I/groups, kH, kW) packed once. Inputs in NCHW or channels-last; the output takes the
-    input's memory format (channels-last in, channels-last out)."""
+    input's memory format (channels-last in, channels-last out).
+
+    int8: int8 weights with a u8 (or s8) ``src``; ``src_scale`` (float), ``weight_scales`` (one per
+    output channel, or one) and ``bias`` (float) give the float result, which post-ops (a ``sum``
+    with its ``scale`` and ``zero_point`` adds ``scale * (out - zero_point)`` of what ``out`` held)
+    transform; a u8/s8 ``dst_dtype`` then stores ``round(result / dst_scale) + dst_zero_point``
+    (saturated), an f32/bf16 one the result itself. ``src_zero_point``: for a u8 ``src`` whose real
+    zero is not 0 (oneDNN 3.2 then leaves its AMX brgconv kernel for a slower jit one).
+
+    :meth:`bind` compiles the convolution for one input shape and layout and binds the constant
+    arguments once: the runtime's per-call path."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, stride=1, padding=0,
-                 dilation=1, groups: int = 1, post_ops: Sequence[PostOp | str] = ()):
-        _check_tensor(weight, "weight", FLOAT_DTYPES, 4)
+                 dilation=1, groups: int = 1, post_ops: Sequence[PostOp | str] = (),
+                 src_dtype: torch.dtype | None = None, dst_dtype: torch.dtype | None = None,
+                 src_scale: float | None = None, weight_scales=None, dst_scale: float | None = None,
+                 src_zero_point: int | None = None, dst_zero_point: int | None = None):
+        _check_tensor(weight, "weight", (*FLOAT_DTYPES, torch.int8), 4)
         if groups < 1 or weight.shape[0] % groups:
             raise ValueError(f"groups={groups} must divide the {weight.shape[0]} output channels")
         self.O, self.Ig, self.kh, self.kw = weight.shape
@@ -522,6 +565,20 @@ class Conv2d:
         if min(self.stride) < 1 or min(self.dilation) < 1 or min(self.padding) < 0:
             raise ValueError(f"bad conv geometry: stride {self.stride}, padding {self.padding}, dilation {self.dilation}")
         self.dtype = weight.dtype
+        int8 = weight.dtype == torch.int8
+        self.src_dtype = src_dtype or (torch.uint8 if int8 else weight.dtype)
+        self.dst_dtype = dst_dtype or (torch.float32 if int8 else weight.dtype)
+        if int8:
+            if self.src_dtype not in (torch.uint8, torch.int8):
+                raise TypeError(f"int8 weights need a u8 or s8 src, got src_dtype={self.src_dtype}")
+            if self.dst_dtype not in (torch.float32, torch.bfloat16, torch.uint8, torch.int8):
+                raise TypeError(f"an int8 convolution writes f32, bf16, u8 or s8, got dst_dtype={self.dst_dtype}")
+        else:
+            if self.src_dtype != weight.dtype or self.dst_dtype != weight.dtype:
+                raise TypeError(f"a {weight.dtype} convolution reads and writes {weight.dtype} (src_dtype "
+                                f"{self.src_dtype}, dst_dtype {self.dst_dtype}); int8 needs int8 weights")
+            if any(v is not None for v in (src_scale, weight_scales, dst_scale, src_zero_point, dst_zero_point)):
+                raise TypeError("scales and zero points are for int8 weights")
         self.bias = _checked_bias(bias, self.O, "output channels")
         self.post_ops = _post_ops(post_ops)
         w = weight.contiguous()
@@ -529,25 +586,58 @@ class Conv2d:
             w = w.view(groups, self.O // groups, self.Ig, self.kh, self.kw)
         self._wshape = tuple(w.shape)
         self._packed = _PackedWeights(w)
+        # quantization parameters, bound as tensors at call time (int8 only)
+        self.src_scale = None if src_scale is None else _positive_scale(src_scale, "src_scale")
+        self.dst_scale = None if dst_scale is None else _positive_scale(dst_scale, "dst_scale")
+        if weight_scales is None:
+            self.weight_scales = None
+        else:
+            ws = torch.as_tensor(weight_scales, dtype=torch.float32).reshape(-1)
+            if ws.numel() not in (1, self.O):
+                raise ValueError(f"weight_scales must have 1 or O={self.O} values, got {ws.numel()}")
+            if not bool((ws > 0).all()):
+                raise ValueError("weight_scales must be positive")
+            self.weight_scales = ws.expand(self.O).contiguous()
+        self.src_zp = _zero_point(src_zero_point, "src_zero_point", self.src_dtype)
+        self.dst_zp = _zero_point(dst_zero_point, "dst_zero_point", self.dst_dtype)
 
     def out_hw(self, h: int, w: int) -> tuple[int, int]:
         oh = (h + 2 * self.padding[0] - self.dilation[0] * (self.kh - 1) - 1) // self.stride[0] + 1
         ow = (w + 2 * self.padding[1] - self.dilation[1] * (self.kw - 1) - 1) // self.stride[1] + 1
         return oh, ow
 
+    def _quant_args(self) -> dict[int, torch.Tensor]:
+        """The scale / zero-point arguments (int8) as ``{DNNL_ARG_ATTR_*: tensor}``."""
+        l = L.lib()
+        out = {}
+        for arg, t in ((l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_SRC, self.src_scale),
+                       (l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_WEIGHTS, self.weight_scales),
+                       (l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_DST, self.dst_scale),
+                       (l.DNNL_ARG_ATTR_ZERO_POINTS | l.DNNL_ARG_SRC, self.src_zp),
+                       (l.DNNL_ARG_ATTR_ZERO_POINTS | l.DNNL_ARG_DST, self.dst_zp)):
+            if t is not None:
+                out[arg] = t
+        return out
+
     def _create(self, src_shape, src_strides, dst_shape, dst_strides) -> Compiled:
         l, f = L.lib(), L.ffi()
-        src_md = MemoryDesc.strided(src_shape, self.dtype, src_strides)
+        src_md = MemoryDesc.strided(src_shape, self.src_dtype, src_strides)
         w_md = MemoryDesc.any(self._wshape, self.dtype)
         b_md = None if self.bias is None else MemoryDesc.strided((self.O,), self.bias.dtype)
-        dst_md = MemoryDesc.strided(dst_shape, self.dtype, dst_strides)
-        attr = _Attr(self.post_ops, dst_ndims=4)
+        dst_md = MemoryDesc.strided(dst_shape, self.dst_dtype, dst_strides)
+        qargs = self._quant_args()
+        scale_masks = {arg & ~l.DNNL_ARG_ATTR_SCALES: 0 for arg in qargs if arg & l.DNNL_ARG_ATTR_SCALES}
+        if self.weight_scales is not None:  # per output channel: dim 0, or dims 0 and 1 of grouped weights
+            scale_masks[l.DNNL_ARG_WEIGHTS] = 1 if self.groups == 1 else 3
+        zp_masks = {arg & ~l.DNNL_ARG_ATTR_ZERO_POINTS: 0 for arg in qargs if arg & l.DNNL_ARG_ATTR_ZERO_POINTS}
+        attr = _Attr(self.post_ops, scale_masks, zp_masks, dst_ndims=4)
         H, W = src_shape[2], src_shape[3]
         oh, ow = dst_shape[2], dst_shape[3]
         pad_r = [(oh - 1) * self.stride[0] + self.dilation[0] * (self.kh - 1) + 1 - H - self.padding[0],
                  (ow - 1) * self.stride[1] + self.dilation[1] * (self.kw - 1) + 1 - W - self.padding[1]]
         pd = f.new("dnnl_primitive_desc_t *")
-        what = f"convolution {src_shape}->{dst_shape} k{self.kh}x{self.kw} g{self.groups} {self.dtype}"
+        what = (f"convolution {src_shape}->{dst_shape} k{self.kh}x{self.kw} g{self.groups} "
+                f"{self.src_dtype}x{self.dtype}->{self.dst_dtype}")
         dims = lambda v: f.new("dnnl_dims_t", list(v))  # noqa: E731
         L.check(l.dnnl_convolution_forward_primitive_desc_create(
             pd, L.engine(), l.dnnl_forward_inference, l.dnnl_convolution_direct, src_md.handle, w_md.handle,
@@ -555,22 +645,56 @@ class Conv2d:
             dims([d - 1 for d in self.dilation]), dims(self.padding), dims(pad_r), attr.handle),
             "dnnl_convolution_forward_primitive_desc_create", what)
         comp = Compiled(pd[0], what)
+        if self.src_dtype == torch.int8 and not ("vnni" in comp.impl or "amx" in comp.impl):
+            # measured on oneDNN 3.2: jit_uni_int8:avx2 and jit_int8:avx512_core return answers 100+ off
+            # for s8 sources (with or without padding); its VNNI and AMX kernels (brgconv, jit) are exact
+            raise NotImplementedError(f"{what}: oneDNN 3.2's {comp.impl} kernel returns wrong numbers for s8 "
+                                      "input; pass u8 input (with a zero point) on this CPU")
         args = [(l.DNNL_ARG_SRC, src_md), (l.DNNL_ARG_WEIGHTS, comp.query_md("weights")), (l.DNNL_ARG_DST, dst_md)]
         if b_md is not None:
             args.append((l.DNNL_ARG_BIAS, b_md))
+        args += [(arg, MemoryDesc.strided((t.numel(),), t.dtype)) for arg, t in qargs.items()]
         comp.bind(args + attr.binary_args)
         comp._attr = attr
         return comp
 
+    def _compiled(self, src_shape, src_strides, dst_shape, dst_strides) -> Compiled:
+        key = ("conv2d", tuple(src_shape), tuple(src_strides), tuple(dst_shape), tuple(dst_strides), self._wshape,
+               self.stride, self.padding, self.dilation, str(self.src_dtype), str(self.dtype), str(self.dst_dtype),
+               None if self.bias is None else str(self.bias.dtype), _post_op_key(self.post_ops),
+               tuple(sorted(self._quant_args())))
+        return CACHE.get_or_create(key, lambda: self._create(tuple(src_shape), tuple(src_strides), tuple(dst_shape),
+                                                             tuple(dst_strides)))
+
+    def _constant_args(self, comp: Compiled) -> dict[int, torch.Tensor]:
+        l = L.lib()
+        args = {l.DNNL_ARG_WEIGHTS: self._packed.for_md(comp.query_md("weights")), **self._quant_args()}
+        if self.bias is not None:
+            args[l.DNNL_ARG_BIAS] = self.bias
+        return args
+
+    def _check_src(self, src: torch.Tensor) -> None:
+        _check_tensor(src, "src", (self.src_dtype,), 4)
+        self._check_shape(src.shape)
+
+    def _check_shape(self, shape) -> None:
+        if shape[1] != self.Ig * self.groups:
+            raise ValueError(f"src has {shape[1]} channels; the conv takes {self.Ig * self.groups}")
+        oh, ow = self.out_hw(shape[2], shape[3])
+        if oh < 1 or ow < 1:
+            raise ValueError(f"input {shape[2]}x{shape[3]} is too small for kernel {self.kh}x{self.kw} with "
+                             "this padding/dilation")
+
+    def bind(self, src_shape, memory_format=torch.channels_last) -> "BoundConv2d":
+        """This convolution compiled for ``src_shape`` in ``memory_format`` (channels-last or
+        contiguous), its constant arguments bound once (no ``add``/``mul`` post-ops)."""
+        return BoundConv2d(self, tuple(int(v) for v in src_shape), memory_format)
+
     def __call__(self, src: torch.Tensor, *, out: torch.Tensor | None = None,
                  binary: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        _check_tensor(src, "src", (self.dtype,), 4)
-        N, C, H, W = src.shape
-        if C != self.Ig * self.groups:
-            raise ValueError(f"src has {C} channels; the conv takes {self.Ig * self.groups}")
-        oh, ow = self.out_hw(H, W)
-        if oh < 1 or ow < 1:
-            raise ValueError(f"input {H}x{W} is too small for kernel {self.kh}x{self.kw} with this padding/dilation")
+        self._check_src(src)
+        N = src.shape[0]
+        oh, ow = self.out_hw(src.shape[2], src.shape[3])
         cl = src.is_contiguous(memory_format=torch.channels_last) and not src.is_contiguous()
         fmt = torch.channels_last if cl else torch.contiguous_format
         if not src.is_contiguous(memory_format=fmt):
@@ -578,9 +702,9 @@ class Conv2d:
         if out is None:
             if any(p.kind == "sum" for p in self.post_ops):
                 raise ValueError("a 'sum' post-op accumulates into out=: pass the tensor to add to")
-            out = torch.empty(N, self.O, oh, ow, dtype=self.dtype, memory_format=fmt)
+            out = torch.empty(N, self.O, oh, ow, dtype=self.dst_dtype, memory_format=fmt)
         else:
-            _check_out(out, (N, self.O, oh, ow), self.dtype, src, *binary, memory_format=fmt)
+            _check_out(out, (N, self.O, oh, ow), self.dst_dtype, src, *binary, memory_format=fmt)
         bin_ops = [p for p in self.post_ops if p.kind in ("add", "mul")]
         if len(binary) != len(bin_ops):
             raise ValueError(f"this conv has {len(bin_ops)} binary post-op(s); got {len(binary)} tensor(s)")
@@ -592,22 +716,243 @@ class Conv2d:
                                  f"for {tuple(op.shape) or '(a scalar)'}")
         if out.numel() == 0:
             return out
-        key = ("conv2d", tuple(src.shape), src.stride(), tuple(out.shape), out.stride(), self._wshape, self.stride,
-               self.padding, self.dilation, str(self.dtype), None if self.bias is None else str(self.bias.dtype),
-               _post_op_key(self.post_ops))
-        comp = CACHE.get_or_create(key, lambda: self._create(tuple(src.shape), src.stride(), tuple(out.shape), out.stride()))
+        comp = self._compiled(tuple(src.shape), src.stride(), tuple(out.shape), out.stride())
         l = L.lib()
-        tensors = {l.DNNL_ARG_SRC: src, l.DNNL_ARG_WEIGHTS: self._packed.for_md(comp.query_md("weights")),
-                   l.DNNL_ARG_DST: out}
-        if self.bias is not None:
-            tensors[l.DNNL_ARG_BIAS] = self.bias
+        tensors = {l.DNNL_ARG_SRC: src, l.DNNL_ARG_DST: out, **self._constant_args(comp)}
         bargs = comp._attr.binary_args
         keep = []
-        for (arg, md), t in zip(bargs, binary):
-            keep.append(t.to(md.dtype).contiguous())  # the binary md is plain (row-major) of the declared shape
+        for i, ((arg, md), t) in enumerate(zip(bargs, binary)):
+            keep.append(_binary_operand(t, md, op_strides(self.post_ops, i)))
             tensors[arg] = keep[-1]
         comp.run(tensors)
         return out
+
+    def __deepcopy__(self, memo):
+        """The weights are packed once and never written again: a deep copy can share this object."""
+        return self
+
+
+class BoundConv2d:
+    """A :class:`Conv2d` compiled for one input shape and layout, with its packed weights, bias,
+    scales and zero points bound to oneDNN memory once: a call checks the input's shape, strides and
+    dtype (nothing of another layout ever reaches the kernel), sets the source and destination
+    pointers and runs. Several threads may call it (each has its own memory objects and scratchpad)."""
+
+    def __init__(self, conv: Conv2d, src_shape: tuple, memory_format):
+        if len(src_shape) != 4:
+            raise ValueError(f"src_shape must have 4 dimensions, got {src_shape}")
+        if memory_format not in (torch.channels_last, torch.contiguous_format):
+            raise ValueError(f"memory_format must be channels_last or contiguous_format, got {memory_format}")
+        bins = [p for p in conv.post_ops if p.kind in ("add", "mul")]
+        if len(bins) > 1:
+            raise ValueError("a bound convolution takes at most one add/mul post-op operand; call the Conv2d instead")
+        conv._check_shape(src_shape)
+        self.conv = conv
+        self.src_shape = src_shape
+        self.src_strides = torch.empty(src_shape, device="meta", memory_format=memory_format).stride()
+        oh, ow = conv.out_hw(src_shape[2], src_shape[3])
+        self.out_shape = (src_shape[0], conv.O, oh, ow)
+        self.memory_format = memory_format
+        self.out_strides = torch.empty(self.out_shape, device="meta", memory_format=memory_format).stride()
+        self.src_dtype, self.dst_dtype = conv.src_dtype, conv.dst_dtype
+        self.accumulates = any(p.kind == "sum" for p in conv.post_ops)
+        self.empty = 0 in self.out_shape
+        if self.empty:
+            return
+        comp = conv._compiled(src_shape, self.src_strides, self.out_shape, self.out_strides)
+        self._const = conv._constant_args(comp)  # kept alive: oneDNN memory points at them
+        self._comp = comp
+        self._slots = ThreadSlots(comp.args, self._const, comp.per_thread)
+        l = L.lib()
+        self._src_arg, self._dst_arg = l.DNNL_ARG_SRC, l.DNNL_ARG_DST
+        # the add/mul operand: exactly the shape, strides and dtype it was declared with
+        self._bin = None
+        if bins:
+            arg, md = comp._attr.binary_args[0]
+            op = bins[0]
+            shape = (1,) * (4 - len(op.shape)) + tuple(op.shape)
+            strides = md_strides = op.strides or torch.empty(shape, device="meta").stride()
+            if len(md_strides) < 4:
+                strides = (0,) * (4 - len(md_strides)) + tuple(md_strides)
+            self._bin = (arg, shape, tuple(strides), op.dtype)
+
+    @property
+    def impl(self) -> str:
+        return self._comp.impl
+
+    def __deepcopy__(self, memo):
+        """Immutable once bound, every thread with its own memory objects: a deep copy can share it."""
+        return self
+
+    def __call__(self, src: torch.Tensor, out: torch.Tensor | None = None,
+                 binary: torch.Tensor | None = None) -> torch.Tensor:
+        """``out``: the tensor a ``sum`` post-op accumulates into and the result overwrites (required
+        then; else a new tensor is returned). ``binary``: the add/mul post-op's operand, of exactly
+        the shape, strides and dtype it was declared with (read, never written)."""
+        if src.shape != self.src_shape or not _same_strides(src, self.src_strides) or src.dtype != self.src_dtype \
+                or src.device.type != "cpu" or src.is_quantized or src.layout != torch.strided:
+            raise ValueError(f"this convolution is bound to {self.src_dtype} input of shape {self.src_shape} with "
+                             f"strides {self.src_strides}; got {src.dtype} {tuple(src.shape)} strides "
+                             f"{tuple(src.stride())}")
+        if out is None:
+            if self.accumulates:
+                raise ValueError("a 'sum' post-op accumulates into out=: pass the tensor to add to")
+            out = torch.empty(self.out_shape, dtype=self.dst_dtype, memory_format=self.memory_format)
+        elif out.shape != self.out_shape or not _same_strides(out, self.out_strides) or out.dtype != self.dst_dtype \
+                or out.device.type != "cpu" or out.is_quantized or out.layout != torch.strided:
+            raise ValueError(f"out must be {self.dst_dtype} of shape {self.out_shape} with strides {self.out_strides}; "
+                             f"got {out.dtype} {tuple(out.shape)} strides {tuple(out.stride())}")
+        elif overlaps(out, src):
+            raise ValueError("out shares memory with src; pass a separate buffer")
+        if (binary is None) != (self._bin is None):
+            raise ValueError("this convolution has an add/mul post-op: pass its operand as binary=" if self._bin
+                             else "this convolution has no add/mul post-op; binary= is not taken")
+        if binary is not None:
+            _, bshape, bstrides, bdtype = self._bin
+            if tuple(binary.shape) != bshape[4 - binary.dim():] or binary.dtype != bdtype or binary.dim() > 4 \
+                    or not _same_strides(binary, bstrides[4 - binary.dim():]) or binary.device.type != "cpu" \
+                    or binary.is_quantized or binary.layout != torch.strided:
+                raise ValueError(f"binary must be {bdtype} of shape {bshape} with strides {bstrides}; got "
+                                 f"{binary.dtype} {tuple(binary.shape)} strides {tuple(binary.stride())}")
+            if overlaps(out, binary):
+                raise ValueError("out shares memory with the binary operand; pass a separate buffer")
+        if self.empty:
+            return out
+        lib = L.lib()
+        mems, args = self._slots.get()
+        ptr = L.ffi().cast
+        if binary is not None:
+            L.check(lib.dnnl_memory_set_data_handle(mems[self._bin[0]], ptr("void *", binary.data_ptr())),
+                    "dnnl_memory_set_data_handle")
+        L.check(lib.dnnl_memory_set_data_handle(mems[self._src_arg], ptr("void *", src.data_ptr())),
+                "dnnl_memory_set_data_handle")
+        L.check(lib.dnnl_memory_set_data_handle(mems[self._dst_arg], ptr("void *", out.data_ptr())),
+                "dnnl_memory_set_data_handle")
+        stream = L.stream()
+        L.check(lib.dnnl_primitive_execute(self._comp.prim, stream, len(args), args), "dnnl_primitive_execute",
+                self._comp.what)
+        L.check(lib.dnnl_stream_wait(stream), "dnnl_stream_wait", self._comp.what)
+        return out
+
+
+class MaxPool2d:
+    """``F.max_pool2d`` (kernel, stride, padding, dilation, ceil_mode) as a oneDNN pooling primitive
+    compiled for one input shape, dtype and layout: f32, bf16, u8 or s8 (max commutes with a monotonic
+    quantization, so uint8 bytes pool to the bytes of the pooled values). Padding never wins (oneDNN
+    excludes it), as in torch."""
+
+    def __init__(self, src_shape, dtype: torch.dtype, kernel_size, stride=None, padding=0, dilation=1,
+                 ceil_mode: bool = False, memory_format=torch.channels_last):
+        if dtype not in (torch.float32, torch.bfloat16, torch.uint8, torch.int8):
+            raise TypeError(f"max_pool2d runs f32, bf16, u8 or s8, got {dtype}")
+        if len(src_shape) != 4:
+            raise ValueError(f"max_pool2d takes a 4-D input, got shape {tuple(src_shape)}")
+        k = _pair(kernel_size, "kernel_size")
+        st = _pair(stride if stride not in (None, [], ()) else kernel_size, "stride")
+        pad, dil = _pair(padding, "padding"), _pair(dilation, "dilation")
+        if min(k) < 1 or min(st) < 1 or min(dil) < 1 or min(pad) < 0 or any(2 * p > kk for p, kk in zip(pad, k)):
+            raise ValueError(f"bad max_pool2d geometry: kernel {k}, stride {st}, padding {pad}, dilation {dil}")
+        N, C, H, W = (int(v) for v in src_shape)
+        out = []
+        for size, kk, s_, p_, d_ in zip((H, W), k, st, pad, dil):
+            span = d_ * (kk - 1) + 1
+            n = size + 2 * p_ - span
+            o = (-(-n // s_) if ceil_mode else n // s_) + 1
+            if ceil_mode and (o - 1) * s_ >= size + p_:   # torch: the last window must start inside
+                o -= 1
+            if o < 1:
+                raise ValueError(f"input {H}x{W} is too small for max_pool2d kernel {k} with padding {pad}")
+            out.append(o)
+        self.src_shape, self.dtype, self.memory_format = (N, C, H, W), dtype, memory_format
+        self.out_shape = (N, C, out[0], out[1])
+        meta = lambda shp: torch.empty(shp, device="meta", memory_format=memory_format).stride()  # noqa: E731
+        self.src_strides, self.out_strides = meta(self.src_shape), meta(self.out_shape)
+        pad_r = [(o - 1) * s_ + d_ * (kk - 1) + 1 - size - p_
+                 for o, s_, d_, kk, size, p_ in zip(out, st, dil, k, (H, W), pad)]
+        key = ("max_pool2d", self.src_shape, self.src_strides, self.out_strides, str(dtype), k, st, pad, dil,
+               tuple(pad_r))
+        self._comp = CACHE.get_or_create(key, lambda: self._create(k, st, pad, dil, pad_r))
+        self._slots = ThreadSlots(self._comp.args, {}, self._comp.per_thread)
+
+    def _create(self, k, st, pad, dil, pad_r) -> Compiled:
+        l, f = L.lib(), L.ffi()
+        src_md = MemoryDesc.strided(self.src_shape, self.dtype, self.src_strides)
+        dst_md = MemoryDesc.strided(self.out_shape, self.dtype, self.out_strides)
+        attr = _Attr()
+        pd = f.new("dnnl_primitive_desc_t *")
+        dims = lambda v: f.new("dnnl_dims_t", [int(x) for x in v])  # noqa: E731
+        what = f"max_pool2d {self.src_shape}->{self.out_shape} {self.dtype}"
+        L.check(l.dnnl_pooling_forward_primitive_desc_create(
+            pd, L.engine(), l.dnnl_forward_inference, l.dnnl_pooling_max, src_md.handle, dst_md.handle, dims(st),
+            dims(k), dims([d - 1 for d in dil]), dims(pad), dims(pad_r), attr.handle),
+            "dnnl_pooling_forward_primitive_desc_create", what)
+        comp = Compiled(pd[0], what)
+        comp.bind([(l.DNNL_ARG_SRC, src_md), (l.DNNL_ARG_DST, dst_md)])
+        comp._attr = attr
+        return comp
+
+    @property
+    def impl(self) -> str:
+        return self._comp.impl
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if src.shape != self.src_shape or not _same_strides(src, self.src_strides) or src.dtype != self.dtype \
+                or src.device.type != "cpu" or src.is_quantized or src.layout != torch.strided:
+            raise ValueError(f"this max_pool2d is compiled for {self.dtype} input of shape {self.src_shape} with "
+                             f"strides {self.src_strides}; got {src.dtype} {tuple(src.shape)} strides "
+                             f"{tuple(src.stride())}")
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, memory_format=self.memory_format)
+        elif out.shape != self.out_shape or not _same_strides(out, self.out_strides) or out.dtype != self.dtype \
+                or out.device.type != "cpu" or out.is_quantized or out.layout != torch.strided or overlaps(out, src):
+            raise ValueError(f"out must be a separate {self.dtype} tensor of shape {self.out_shape} with strides "
+                             f"{self.out_strides}")
+        if out.numel() == 0:
+            return out
+        lib, ptr = L.lib(), L.ffi().cast
+        mems, args = self._slots.get()
+        L.check(lib.dnnl_memory_set_data_handle(mems[lib.DNNL_ARG_SRC], ptr("void *", src.data_ptr())),
+                "dnnl_memory_set_data_handle")
+        L.check(lib.dnnl_memory_set_data_handle(mems[lib.DNNL_ARG_DST], ptr("void *", out.data_ptr())),
+                "dnnl_memory_set_data_handle")
+        stream = L.stream()
+        L.check(lib.dnnl_primitive_execute(self._comp.prim, stream, len(args), args), "dnnl_primitive_execute",
+                self._comp.what)
+        L.check(lib.dnnl_stream_wait(stream), "dnnl_stream_wait", self._comp.what)
+        return out
+
+
+def _same_strides(t: torch.Tensor, strides) -> bool:
+    """Does ``t`` lie in memory as ``strides`` say (of the same shape)? Strides of size-1 dimensions
+    address nothing and may differ (torch gives a channels-last 1x1 map either (C, 1, C, C) or
+    (C, 1, 1, 1))."""
+    have = t.stride()
+    if have == tuple(strides):
+        return True
+    return all(a == b for a, b, n in zip(have, strides, t.shape) if n != 1)
+
+
+def _positive_scale(v, name: str) -> torch.Tensor:
+    v = float(v)
+    if not v > 0 or v == float("inf"):
+        raise ValueError(f"{name} must be a positive finite float, got {v}")
+    return torch.tensor([v], dtype=torch.float32)
+
+
+def _zero_point(v, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """A zero point as the int32 tensor oneDNN reads, or None for 0; range-checked for the dtype."""
+    if not v:
+        return None
+    v = int(v)
+    lo, hi = {torch.uint8: (0, 255), torch.int8: (-128, 127)}.get(dtype, (None, None))
+    if lo is None:
+        raise TypeError(f"{name} is for u8/s8 data, not {dtype}")
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} must be in {lo}..{hi} for {dtype}, got {v}")
+    return torch.tensor([v], dtype=torch.int32)
 
 
 def reorder_into(src: torch.Tensor, src_md: MemoryDesc, dst: torch.Tensor, dst_md: MemoryDesc) -> None:

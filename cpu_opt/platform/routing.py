@@ -71,6 +71,8 @@ ZEN5 = "AMD Zen 5 (AVX-512, AVX512_BF16, VNNI), 2 threads, shared/KNOWN.md"
 ICX = "Intel Ice Lake-SP (AVX-512, VNNI, no AVX512_BF16), 2 threads, shared/KNOWN.md"
 ZEN3 = "AMD EPYC Zen 3 (family 25 model 1, AVX2 only), 2 threads, 3 calibrate runs, 2026-12-01"
 ZEN3_EARLIER = "the same Zen 3, November 2026, end-to-end A/B"
+XEON_AMX = ("Intel Xeon with AMX (family 6 model 167: AVX512_BF16, AVX512_FP16, AMX-BF16/INT8), 2 threads, "
+            "2026-12-02")
 UNMEASURED = "not measured on any machine this project ran on"
 
 RULES: tuple[Rule, ...] = (
@@ -150,7 +152,13 @@ RULES: tuple[Rule, ...] = (
     Rule("conv", "bf16", "torch",
          f"no native bf16: oneDNN 3.2 refuses bf16 convolution below avx512_core; torch's bf16 3x3 conv 15.7-18.4 ms "
          f"vs 1.9-2.1 fp32 (1x64x56x56, {ZEN3})"),
-    Rule("conv", "int8", "onednn", f"oneDNN int8 convolution with VNNI (brg_conv_fwd:avx512_core_vnni, {ICX})",
+    Rule("conv", "int8", "onednn",
+         "cpu_opt's oneDNN 3.2 convolution, compiled and bound once per input shape, against torch's oneDNN 3.12 "
+         "qconv2d_pointwise and FBGEMM on the nine ResNet-50 shapes at batch 1 (u8 in, u8 out + ReLU), summed "
+         f"medians of 30 interleaved calls: with AMX 623 / 948 / 2131 us (brgconv:avx512_core_amx), capped to "
+         f"avx512_core_vnni 1323 / 1667 / 2247 us (brgconv:avx512_core_vnni); with an input zero point of 128 "
+         f"(3.2 then leaves brgconv for a jit kernel with AMX) 922 / 1278 / 2623 and 1529 / 1905 / 2395 us; the "
+         f"ResNet stem (3->64, 7x7, stride 2, zero point 128) 204 us vs 299 ({XEON_AMX})",
          any_of=VNNI),
     Rule("conv", "int8", "torch_onednn",
          "no VNNI, 7-bit activations: torch's oneDNN qconv2d fuses the residual add and ReLU into the convolution "

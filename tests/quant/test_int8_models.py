@@ -614,7 +614,7 @@ def test_optimize_int8_on_each_family(monkeypatch):
 
     families = {"linear": buildable_families("linear"), "conv2d": buildable_families("conv2d")}
     assert {"fbgemm", "torch_onednn"} <= set(families["linear"])
-    assert set(families["conv2d"]) == {"fbgemm", "torch_onednn"}
+    assert set(families["conv2d"]) == {"fbgemm", "torch_onednn", "onednn"}
     torch.manual_seed(0)
     mlp = ZOO["mlp"].build("small")
     mlp_calib = [(torch.randn(8, 64, generator=gen(400 + i)),) for i in range(N_CALIB)]
@@ -654,3 +654,66 @@ def test_reduce_range_follows_the_cpu():
     obs = quant.default_qconfig_mapping().qconfig_for("x", nn.Linear(2, 2)).activation()
     assert obs.reduce_range == REDUCE_RANGE
     assert K.activation_qmax() == (127 if REDUCE_RANGE else 255)
+
+
+# ------------------------------------------------------------------------------------- pooling in a chain, reused outputs
+def test_resnet_stem_chains_through_the_max_pool(resnet_task):
+    """The stem convolution writes uint8 with the next convolution's input scale and the max-pool
+    between them runs on the bytes (max commutes with quantization): no dequantize / quantize
+    around it, and the pooled bytes are exactly the quantized pooled values."""
+    opt = resnet_task["opt"]
+    rows = {li["layer"]: li for li in opt.report()["int8"]}
+    assert rows["conv1"]["out"] == "uint8 (chained)"
+    assert rows["layer1.0.conv1"]["in"] == "uint8 (chained)"
+    prog = next(iter(opt._plans.values())).program
+    pools = [n.target for n in prog.graph.nodes if type(n.target).__name__ == "MaxPool2dU8"]
+    assert len(pools) == 1
+    x = torch.randint(0, 256, (2, 4, 9, 9), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    ref = torch.nn.functional.max_pool2d(x.float(), *pools[0].args)
+    assert torch.equal(pools[0](x).float(), ref)
+
+
+class _TwoOutputs(nn.Module):
+    """Returns an int8 layer's output itself and a narrow view of another: both escape to the caller."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.c3 = nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        a = torch.relu(self.c1(x))
+        b = torch.relu(self.c2(a))
+        c = self.c3(b)
+        return c, b.narrow(1, 0, 4) + 0.0, torch.relu(self.c2(a)).narrow(2, 0, 3)
+
+
+def test_reused_int8_outputs_never_reach_the_caller():
+    """Layers whose outputs stay inside the graph reuse one buffer per thread across calls; an
+    output the caller gets (itself or through a view) is new on every call: the first call's
+    results do not change when the model is called again."""
+    torch.manual_seed(0)
+    m = _TwoOutputs().eval()
+    calib = [(torch.randn(2, 3, 8, 8, generator=gen(900 + i)),) for i in range(N_CALIB)]
+    opt = cpu_opt.optimize(m, (calib[0][0],), dtype="int8", calibration_data=calib,
+                           qconfig_mapping=minmax_mapping())
+    plan = next(iter(opt._plans.values()))
+    prog = plan.program
+    kernels = [n for n in prog.graph.nodes if hasattr(n.target, "reuse_output")]
+    assert len(kernels) >= 3
+    if plan.lowered is not None:   # the runtime's program (oneDNN is used at this ISA)
+        assert any(n.target.reuse_output for n in kernels)      # inside-only outputs are reused ...
+    out_nodes = set(next(n for n in prog.graph.nodes if n.op == "output").all_input_nodes)
+    assert not any(n.target.reuse_output for n in kernels if n in out_nodes)   # ... returned ones are not
+    x1, x2 = torch.randn(2, 3, 8, 8, generator=gen(1)), torch.randn(2, 3, 8, 8, generator=gen(2))
+    first = opt(x1)
+    kept = [t.clone() for t in first]
+    second = opt(x2)
+    for a, b, c in zip(first, kept, second):
+        assert torch.equal(a, b)                                  # unchanged by the second call
+        assert not torch.equal(a, c)
+    with torch.no_grad():
+        for got, ref in zip(opt(x1), m(x1)):
+            cos, _ = compare(got, ref)
+            assert cos >= MIN_COSINE, cos

@@ -217,7 +217,7 @@ def test_bad_families_raise():
         quant.convert(p, families={"no_such_layer": "fbgemm"})
     pc = quant.calibrate(quant.prepare(small_cnn(), minmax_mapping()), batches((2, 3, 8, 8), 1, seed=1))
     with pytest.raises(ValueError, match="family must be one of"):
-        quant.convert(pc, families={"conv1": "onednn"})    # cpu_opt's oneDNN has no int8 conv
+        quant.convert(pc, families={"conv1": "openvino"})
 
 
 # ------------------------------------------------------------------------------------- bad input
