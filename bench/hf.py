@@ -8,7 +8,9 @@ over ``--rounds`` rounds: eager, compile, cpu_opt, OpenVINO, eager, ... Each pro
 implementation (the time is recorded: torch.compile's first compile, optimize() + first call,
 OpenVINO's convert + compile), checks its output against eager (cosine), and times ``--repeats``
 calls; a model's figure per implementation is the median over the rounds of the per-process
-medians. Models: BERT-base (seq 128, padding in the mask), GPT-2 (seq 128, no cache),
+medians. Each process runs under the machine's benchmark lock (``bench.runner.bench_lock``; do not
+wrap the run in ``flock`` yourself). Results go to ``bench/results/hf[_int8|_bf16][_b<batch>]_<cpu>.json`` (+ ``.png``): one file
+per CPU, so the tables of other machines stay. Models: BERT-base (seq 128, padding in the mask), GPT-2 (seq 128, no cache),
 ViT-B/16 (224²), ResNet-50 (224²), ConvNeXt-T (224²).
 
 int8 (``--impls`` with ``cpu_opt_int8,torchao_int8,dynamic_int8,openvino_int8``; ``python -m bench
@@ -17,6 +19,11 @@ hf --int8`` picks them with eager and cpu_opt fp32): each is calibrated on the s
 pt2e flow (``X86InductorQuantizer``, static per-tensor activations, per-channel weights) lowered
 by ``torch.compile`` with freezing; torch's ``quantize_dynamic`` (Linear layers; FBGEMM); OpenVINO
 with NNCF's ``nncf.quantize`` (when nncf is installed). int8 cosines are against eager fp32.
+
+bf16 (``python -m bench hf --bf16``, for CPUs with native bf16 math; results in hf_bf16_<cpu>.json):
+eager fp32 as the baseline, eager and torch.compile (freezing) under ``torch.autocast("cpu",
+torch.bfloat16)``, ``cpu_opt.optimize(dtype="bf16")`` and OpenVINO with
+``INFERENCE_PRECISION_HINT=bf16``. Cosines against eager fp32.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ import time
 MODELS = ("bert", "gpt2", "vit", "resnet50", "convnext")
 IMPLS = ("eager", "compile", "cpu_opt", "openvino")
 INT8_IMPLS = ("eager", "cpu_opt", "cpu_opt_int8", "torchao_int8", "dynamic_int8", "openvino_int8")
+BF16_IMPLS = ("eager", "eager_bf16", "compile_bf16", "cpu_opt_bf16", "openvino_bf16")
 
 
 def calibration_inputs(name: str, inputs: dict, n: int = 8) -> list[dict]:
@@ -104,7 +112,8 @@ def _openvino_int8(model, inputs, calib):
     return run
 
 
-def build_model(name: str, quick: bool = False):
+def build_model(name: str, quick: bool = False, batch: int = 1):
+    """A full-size (or with ``quick`` a small) random-weight model and its example inputs at ``batch``."""
     import torch
     import transformers as T
 
@@ -137,6 +146,11 @@ def build_model(name: str, quick: bool = False):
         inputs = {"pixel_values": torch.randn(1, 3, 224, 224)}
     else:
         raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+    if batch != 1:  # token ids drawn again per row; the padding mask and pixel rows repeated
+        g = torch.Generator().manual_seed(1)
+        inputs = {k: torch.randint(0, cfg.vocab_size, (batch, v.shape[1]), generator=g) if k == "input_ids"
+                  else torch.cat([v] * batch) if k == "attention_mask" else torch.randn((batch, *v.shape[1:]), generator=g)
+                  for k, v in inputs.items()}
     return m.eval(), inputs
 
 
@@ -152,7 +166,7 @@ def _main_tensor(out):
     raise TypeError(type(out).__name__)
 
 
-def worker(impl: str, name: str, repeats: int, quick: bool) -> dict:
+def worker(impl: str, name: str, repeats: int, quick: bool, batch: int = 1) -> dict:
     """One implementation of one model, in this process: build, check, time."""
     import warnings
 
@@ -162,7 +176,7 @@ def worker(impl: str, name: str, repeats: int, quick: bool) -> dict:
     from bench.optimize import openvino_compile
     from cpu_opt.platform.timing import measure
 
-    model, inputs = build_model(name, quick)
+    model, inputs = build_model(name, quick, batch)
     with torch.no_grad():
         ref = _main_tensor(model(**inputs))
     t0 = time.perf_counter()
@@ -181,6 +195,25 @@ def worker(impl: str, name: str, repeats: int, quick: bool) -> dict:
         fn = lambda: o(**inputs)  # noqa: E731
     elif impl == "openvino":
         ov = openvino_compile(model, inputs, "fp32")
+        fn = lambda: ov(**inputs)  # noqa: E731
+    elif impl in ("eager_bf16", "compile_bf16"):
+        target = model
+        if impl == "compile_bf16":
+            import torch._inductor.config as inductor_config
+
+            inductor_config.freezing = True
+            target = torch.compile(model, dynamic=False)
+
+        def fn():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return target(**inputs)
+    elif impl == "cpu_opt_bf16":
+        import cpu_opt
+
+        o = cpu_opt.optimize(model, inputs, dtype="bf16")
+        fn = lambda: o(**inputs)  # noqa: E731
+    elif impl == "openvino_bf16":
+        ov = openvino_compile(model, inputs, "bf16")
         fn = lambda: ov(**inputs)  # noqa: E731
     elif impl == "cpu_opt_int8":
         import cpu_opt
@@ -201,10 +234,11 @@ def worker(impl: str, name: str, repeats: int, quick: bool) -> dict:
         build_s = time.perf_counter() - t0
         out = out if torch.is_tensor(out) else _main_tensor(out)
         cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
+        # int8 and bf16 cosines are against eager fp32
         st = measure({impl: fn}, warmup=2, repeats=repeats)[impl]
-    res = {"impl": impl, "model": name, "median_ms": st.median * 1e3, "spread": st.spread, "build_s": build_s,
+    res = {"impl": impl, "model": name, "batch": batch, "median_ms": st.median * 1e3, "spread": st.spread, "build_s": build_s,
            "cosine_vs_eager": cos, "threads": torch.get_num_threads()}
-    if impl in ("cpu_opt", "cpu_opt_int8"):
+    if impl in ("cpu_opt", "cpu_opt_int8", "cpu_opt_bf16"):
         rep = o.report()
         if impl == "cpu_opt_int8":
             res.update(int8_layers=len(rep.get("int8", [])),
@@ -218,28 +252,41 @@ def main(quick: bool = False, argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench hf")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--impls", default=None, help=f"default {','.join(IMPLS)}; with --int8 {','.join(INT8_IMPLS)}")
-    ap.add_argument("--int8", action="store_true", help="the int8 comparison (results in hf_int8.json)")
+    ap.add_argument("--int8", action="store_true", help="the int8 comparison (results in hf_int8_<cpu>.json)")
+    ap.add_argument("--bf16", action="store_true", help="the bf16 comparison (results in hf_bf16_<cpu>.json; for CPUs "
+                                                        "with native bf16: AVX512_BF16 or AMX)")
+    ap.add_argument("--batch", type=int, default=1, help="batch size of every model's input (default 1)")
     ap.add_argument("--rounds", type=int, default=2 if quick else 3)
     ap.add_argument("--repeats", type=int, default=5 if quick else 10)
     ap.add_argument("--worker", nargs=2, metavar=("IMPL", "MODEL"), help=argparse.SUPPRESS)
     args, _ = ap.parse_known_args(argv or [])
     quick = quick or "--quick" in (argv or [])
-    impls = (args.impls or ",".join(INT8_IMPLS if args.int8 else IMPLS)).split(",")
+    if args.int8 and args.bf16:
+        raise SystemExit("python -m bench hf: --int8 and --bf16 are two comparisons; run one at a time")
+    kind = "int8" if args.int8 else "bf16" if args.bf16 else "fp32"
+    impls = (args.impls or ",".join({"int8": INT8_IMPLS, "bf16": BF16_IMPLS, "fp32": IMPLS}[kind])).split(",")
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker[0], args.worker[1], args.repeats, quick)), flush=True)
+        print("RESULT " + json.dumps(worker(args.worker[0], args.worker[1], args.repeats, quick, args.batch)), flush=True)
         return
-    from bench.runner import RESULTS_DIR, Report, bar_chart
+    from bench.runner import RESULTS_DIR, Report, bar_chart, bench_lock, machine_slug
 
-    rep = Report(("hf_int8" if args.int8 else "hf") + ("_quick" if quick else ""), rounds=args.rounds, repeats=args.repeats,
+    if args.batch < 1:
+        raise SystemExit(f"python -m bench hf: --batch must be >= 1, got {args.batch}")
+    # one file per CPU (and batch): the tables measured on other machines stay beside it
+    stem = ("hf" if kind == "fp32" else f"hf_{kind}") + (f"_b{args.batch}" if args.batch != 1 else "")
+    rep = Report(f"{stem}_{machine_slug()}" + ("_quick" if quick else ""), rounds=args.rounds,
+                 repeats=args.repeats, batch=args.batch,
                  protocol="each implementation in its own process, alternating rounds; median of process medians")
     results: dict = {}
     for name in [m for m in args.models.split(",") if m]:
         for rnd in range(args.rounds):
             for impl in [i for i in impls if i]:
-                cmd = [sys.executable, "-m", "bench", "hf", "--worker", impl, name, "--repeats", str(args.repeats)]
+                cmd = [sys.executable, "-m", "bench", "hf", "--worker", impl, name, "--repeats", str(args.repeats),
+                       "--batch", str(args.batch)]
                 if quick:
                     cmd.append("--quick")
-                r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=3600)
+                with bench_lock():  # per process: shorter benchmarks can run between two of them
+                    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=3600)
                 line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
                 if line is None:
                     err = (r.stderr.strip().splitlines() or ["no output"])[-1][:200]
@@ -266,17 +313,18 @@ def main(quick: bool = False, argv=None) -> None:
     by = {(r["model"], r["impl"]): r.get("median_ms") for r in rep.rows}
     for r in rep.rows:
         if r.get("median_ms"):
-            for base in ("eager", "compile", "openvino"):
+            for base in ("eager", "compile", "openvino", "compile_bf16", "openvino_bf16"):
                 if by.get((r["model"], base)):
                     r[f"vs_{base}"] = by[(r["model"], base)] / r["median_ms"]
-    rep.print_table(["model", "impl", "median_ms", "round_ms", "vs_eager", "vs_compile", "vs_openvino", "build_s",
+    rep.print_table(["model", "impl", "median_ms", "round_ms", "vs_eager", "vs_compile", "vs_openvino",
+                     *(["vs_compile_bf16", "vs_openvino_bf16"] if kind == "bf16" else []), "build_s",
                      "cosine_vs_eager", "partitions", "fallbacks", "int8_families", "error"])
     models = list(dict.fromkeys(r["model"] for r in rep.rows))
     impls = list(dict.fromkeys(r["impl"] for r in rep.rows))
     bar_chart(RESULTS_DIR / f"{rep.name}.png", models,
               {i: [(by.get((m, "eager")) or 0) / (by.get((m, i)) or float("inf")) for m in models] for i in impls},
               ylabel="speedup over eager fp32 (x)",
-              title=f"Hugging Face models, batch 1, {'int8' if args.int8 else 'fp32'}, "
+              title=f"Hugging Face models, batch {args.batch}, {kind}, "
                     f"{rep.meta.get('threads', '?')} threads (own processes)")
     rep.save()
 

@@ -79,6 +79,34 @@ def environment() -> dict:
     return env
 
 
+# ----------------------------------------------------------------------------- the machine lock
+
+BENCH_LOCK = "/tmp/cpu_opt_bench.lock"
+
+
+class bench_lock:
+    """Holds ``flock`` on :data:`BENCH_LOCK` (the lock every benchmark on this machine takes, so no
+    two overlap) while the block runs. Benchmarks that run one process per measurement (``bench
+    hf``) take it around each process, so a long run lets short ones in between processes instead
+    of blocking them for an hour: do not wrap such a run in ``flock`` yourself (it would wait on
+    itself). ``CPU_OPT_BENCH_NO_LOCK=1`` skips it."""
+
+    def __enter__(self):
+        import fcntl
+        import os
+
+        self._f = None
+        if os.environ.get("CPU_OPT_BENCH_NO_LOCK") != "1":
+            self._f = open(BENCH_LOCK, "a")
+            fcntl.flock(self._f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self._f is not None:
+            self._f.close()  # closing the file releases the lock
+        return False
+
+
 # ----------------------------------------------------------------------------- machine peaks
 
 def gemm_peak_gflops(dtype: str = "fp32", n: int = 2048, repeats: int = 5) -> float:
