@@ -11,8 +11,8 @@ unless the table's choice is within :data:`MARGIN` of it.
 Shapes (full size; ``--quick`` shrinks them for tests):
 
 * linear (constant weights): a GEMV x (1, 4096) @ W (4096, 4096) (weights bigger than the L3, as in
-  LLM decoding), and BERT's FFN in, x (M, 768) @ W (768, 3072) at M = 128 and 2048; fp32, bf16, and
-  int8 (u8 activations, per-channel s8 weights);
+  LLM decoding), and BERT's FFN in, x (M, 768) @ W (768, 3072) at M = 128 and 2048; fp32 (MKL's
+  packed sgemm among the candidates), bf16, and int8 (u8 activations, per-channel s8 weights);
 * int8 convolution: 1 x 64 x 56 x 56, 64 filters 3x3, padding 1 (a ResNet stage);
 * attention: batch 1, 12 heads, sequence 256, head size 64, fp32 and bf16.
 
@@ -132,9 +132,19 @@ def _linear(dtype: str, dims) -> Built:
         mm = Matmul.from_linear(w, b)
         return lambda: mm(x)
 
+    def mkl_packed():
+        from ..backends import mkl
+
+        if not mkl.available():
+            raise RuntimeError("torch has no MKL here")
+        packed = mkl.packed_weight(w, m)
+        return lambda: mkl.MKL_LINEAR(x, packed, w, b, m)
+
     _admit(out, "onednn", ours, check)
     _admit(out, "torch_onednn", lambda: (lambda: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")), check)
     _admit(out, "torch", lambda: (lambda: F.linear(x, w, b)), check)
+    if dtype == "fp32":
+        _admit(out, "mkl", mkl_packed, check)
     from .. import native
     from ..backends import native_linear
 
@@ -231,6 +241,13 @@ def _conv_int8(dims) -> Built:
         qx = torch._make_per_tensor_quantized_tensor(x, xs, xz)
         return lambda: torch.ops.quantized.conv2d(qx, packed, out_scale, 128)
 
+    def ours():
+        from ..backends.onednn_primitives import DnnlConv2d
+
+        k = DnnlConv2d(wt, ws, None, (xs, xz), stride=1, padding=ks // 2, dilation=1, groups=1, x_shape=tuple(x.shape))
+        return lambda: k(x)
+
+    _admit(out, "onednn", ours, _float_check(ref, "fp32"))
     _admit(out, "torch_onednn", theirs, _float_check(ref, "fp32"))
     _admit(out, "fbgemm", fbgemm, _step_check(ref, out_scale))
     return out

@@ -106,13 +106,46 @@ def test_measured_route_takes_the_faster(monkeypatch, winner):
     assert len(seen) == 3 and _rel(opt(x), m(x).detach()) < 1e-5
 
 
-def test_measure_linear_times_both_backends():
+def test_measure_linear_times_every_backend():
+    from cpu_opt.backends import mkl
+
+    both = {"onednn", "torch_onednn"} | ({"mkl"} if mkl.available() else set())
     t = passes.measure_linear(16, 16, 12, True, repeats=3)
-    assert set(t) == {"onednn", "torch_onednn"} and all(v > 0 for v in t.values())
+    assert set(t) == both and all(v > 0 for v in t.values())
     assert passes.measure_linear(16, 16, 12, True, repeats=3) is t  # cached per shape
     # a GEMV-sized layer also times cpu_opt's GEMV where the vector kernels run
     t = passes.measure_linear(2, 16, 12, True, repeats=3)
-    assert set(t) == {"onednn", "torch_onednn"} | ({"native"} if native.vectorized() else set())
+    assert set(t) == both | ({"native"} if native.vectorized() else set())
+
+
+def test_mkl_route_runs_mkl_with_packed_weights_and_matches_eager(monkeypatch):
+    """Forced onto MKL (the table's route for big fp32 GEMMs on Intel AVX-512): every linear layer on
+    constant weights runs mkl::_mkl_linear on weights packed for its rows, with nn.Linear's (N, K) and
+    Conv1D's (K, N) weights alike, the answer within fp32 rounding of eager; another row count works
+    (torch's own fallback to the original weights)."""
+    from cpu_opt.backends import mkl
+
+    if not mkl.available():
+        pytest.skip("torch without MKL (not an x86-64 wheel)")
+    orig = routing.table_route
+
+    def to_mkl(work, dtype, info=None, **kw):
+        r = orig(work, dtype, info, **kw)
+        return routing.Route(work, dtype, "mkl", "forced") if work == "linear" and dtype == "fp32" else r
+
+    monkeypatch.setattr(routing, "table_route", to_mkl)
+    m = Mixed().eval()
+    x = torch.randn(12, 24)
+    opt = cpu_opt.optimize(m, x, dtype="fp32")
+    plan = next(iter(opt._plans.values()))
+    nodes = [n for n in plan.program.graph.nodes if n.target is mkl.MKL_LINEAR]
+    assert len(nodes) == 3
+    assert all(n.args[4] == 12 for n in nodes)                       # packed for the example's rows
+    with torch.no_grad():
+        assert _rel(opt(x), m(x)) < 1e-5
+        x2 = torch.randn(5, 24)
+        assert _rel(opt(x2), m(x2)) < 1e-5
+    assert [r["route"] for r in opt.report()["routed"]] == ["mkl"] * 3
 
 
 def test_bf16_and_float64_are_not_rerouted():
@@ -127,10 +160,24 @@ def test_bf16_and_float64_are_not_rerouted():
 
 
 @pytest.mark.parametrize("cpu,want", [("amd_zen3", "torch_onednn"), ("amd_zen5", "onednn"),
-                                      ("intel_sapphirerapids", "onednn"), ("graviton3_v1", "acl")])
+                                      ("intel_sapphirerapids", "mkl"), ("intel_icelake", "mkl"),
+                                      ("intel_cascadelake", "mkl"), ("graviton3_v1", "acl")])
 def test_linear_route_per_cpu(cpu, want):
     info = hw.build_info((FIX / f"{cpu}.txt").read_text())
     assert routing.route("linear", "fp32", info).backend == want
+
+
+def test_mkl_route_is_for_big_fp32_gemms_on_intel_avx512():
+    """MKL's packed sgemm for Intel AVX-512 GEMMs from 16M multiply-adds; small ones stay on addmm,
+    GEMVs on their own rules, AMD's AVX-512 (MKL picks kernels by vendor) on oneDNN, bf16 never."""
+    spr = hw.build_info((FIX / "intel_sapphirerapids.txt").read_text())
+    assert routing.route("linear", "fp32", spr, rows=128, macs=128 * 768 * 3072).backend == "mkl"
+    assert routing.route("linear", "fp32", spr, rows=64, macs=64 * 128 * 512).backend != "mkl"
+    assert routing.route("linear", "bf16", spr, rows=128, macs=128 * 768 * 3072).backend == "onednn"
+    z5 = hw.build_info((FIX / "amd_zen5.txt").read_text())
+    assert routing.route("linear", "fp32", z5, rows=128, macs=128 * 768 * 3072).backend == "onednn"
+    capped = hw.build_info((FIX / "intel_sapphirerapids.txt").read_text(), cap="avx2")
+    assert routing.route("linear", "fp32", capped, rows=128, macs=128 * 768 * 3072).backend == "torch_onednn"
 
 
 def test_zen5_capped_to_avx2_moves_linears_to_torch_onednn():

@@ -7,7 +7,7 @@ import torch
 import torch.fx
 
 from ... import native
-from ...backends import native_linear
+from ...backends import mkl, native_linear
 from ...backends.torch_onednn import TORCH_LINEAR, packed_linear_weight
 from .fx import NotConstant, add_constant, drop_unused_constants, get_constant, node_value, replace_node
 
@@ -48,7 +48,8 @@ def linear_operands(gm, n, dtype: torch.dtype = torch.float32):
 
 
 _LINEAR_TIMES: dict = {}
-_MEASURED_NAMES = {"onednn": "cpu_opt oneDNN", "torch_onednn": "torch's oneDNN", "native": "cpu_opt's GEMV"}
+_MEASURED_NAMES = {"onednn": "cpu_opt oneDNN", "torch_onednn": "torch's oneDNN", "native": "cpu_opt's GEMV",
+                   "mkl": "MKL packed"}
 
 
 def measure_linear(m: int, k: int, n: int, bias: bool, repeats: int = 7) -> dict:
@@ -67,6 +68,9 @@ def measure_linear(m: int, k: int, n: int, bias: bool, repeats: int = 7) -> dict
     b = torch.randn(n, generator=g) if bias else None
     ours = Matmul.from_linear(w, b)
     fns = {"onednn": lambda: ours(x), "torch_onednn": lambda: TORCH_LINEAR(x, w, b, "none", [], "")}
+    if mkl.available():
+        packed = mkl.packed_weight(w, m)
+        fns["mkl"] = lambda: mkl.MKL_LINEAR(x, packed, w, b, m)
     if m <= native_linear.MAX_ROWS and native.vectorized():
         fns["native"] = lambda: native_linear.linear(x, w, b, False)
     times = {name: [] for name in fns}
@@ -95,7 +99,7 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
 
     if dtype not in ("fp32", "bf16"):
         return []
-    moved = kept = in_torch = gemv = 0
+    moved = kept = in_torch = gemv = mkl_moved = 0
     for n in list(gm.graph.nodes):
         ops = linear_operands(gm, n, torch.float32 if dtype == "fp32" else torch.bfloat16)
         if ops is None:
@@ -113,6 +117,9 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
                                                          for k, v in t.items())
         if backend == "torch_onednn" and dtype != "fp32":
             backend, why = "onednn", f"torch's oneDNN linear is wired for fp32 only; {why}"
+        if backend == "mkl" and (dtype != "fp32" or not mkl.available()):
+            backend, why = "onednn", (f"MKL's packed GEMM is fp32 only and needs torch's MKL "
+                                      f"({'not built in' if not mkl.available() else dtype}); {why}")
         if backend == "native" and (dtype != "fp32" or not native.vectorized()):
             backend, why = "torch", f"cpu_opt's GEMV runs fp32 on its vector kernels only; {why}"
         if backend == "native":
@@ -124,6 +131,19 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
             replace_node(n, new)
             new._rename(name)
             gemv += 1
+            continue
+        if backend == "mkl":
+            packed = mkl.packed_weight(w_nk, rows)   # an mkldnn-layout tensor: described by a plain one
+            w_node = add_constant(gm, packed, n, "linear_mkl_packed", meta_like=torch.empty(packed.shape, device="meta"))
+            w_orig = w if not kn else add_constant(gm, w_nk.detach().contiguous(), n, "linear_weight_nk")
+            with gm.graph.inserting_before(n):
+                new = gm.graph.call_function(mkl.MKL_LINEAR, (x, w_node, w_orig, b, rows))
+            new.meta = dict(n.meta)
+            new.meta["cpu_opt_route"] = ("mkl", why)
+            name = n.name
+            replace_node(n, new)
+            new._rename(name)
+            mkl_moved += 1
             continue
         if backend not in ("torch_onednn", "torch"):
             n.meta["cpu_opt_route"] = ("onednn", why)
@@ -145,13 +165,14 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
         replace_node(n, new)
         new._rename(name)  # the report names the layer as the captured graph did
         moved += 1
-    if not moved and not in_torch and not gemv:
+    if not moved and not in_torch and not gemv and not mkl_moved:
         return []
     gm.graph.eliminate_dead_code()
     drop_unused_constants(gm)
     gm.recompile()
     how = "measured per shape" if measure else "routing"
     parts = [f"{moved} linear layer(s) on torch's oneDNN 3.12"] if moved else []
+    parts += [f"{mkl_moved} on MKL's packed GEMM"] if mkl_moved else []
     parts += [f"{in_torch} in torch's own kernels"] if in_torch else []
     parts += [f"{gemv} GEMV(s) on cpu_opt's native kernel"] if gemv else []
     return [", ".join(parts) + f", {kept} on cpu_opt's oneDNN ({how})"]
