@@ -112,8 +112,8 @@ def find_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, mapping: QConf
             skipped.append((n.name, f"{name}: {'dynamic' if qc.dynamic else 'weight-only'} qconfigs are not "
                                     "graph-quantized (use quant.quantize_dynamic / quantize_weight_only): kept in fp32"))
             continue
-        add, other = _residual(n) if kind == "conv2d" else (None, None)
-        if add is not None and add in claimed:   # conv + conv: the first one takes the add
+        add, other = _residual(n)
+        if add is not None and add in claimed:   # layer + layer: the first one takes the add
             add, other = None, None
         claimed.add(add)
         last = add if add is not None else n
@@ -130,8 +130,8 @@ def find_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, mapping: QConf
 
 
 def _residual(n: torch.fx.Node):
-    """``(add node, other operand)`` when the convolution's only use is ``conv + other`` (a
-    residual, same shape, alpha 1): the add runs fused with the convolution."""
+    """``(add node, other operand)`` when the layer's only use is ``layer + other`` (a residual, same
+    shape, alpha 1): the add runs with the layer (fused into the primitive where the family can)."""
     users = list(n.users)
     if len(users) != 1:
         return None, None

@@ -29,6 +29,13 @@ class FbgemmLinear(LinearKernel):
         relu = self.post_op == "relu"
         out_q = self.out_qparams or self.own_out_qparams
         lead = x.shape[:-1]
+        if other is not None:   # a residual: the linear in fp32, the add, then the activation (and chain)
+            xf = from_u8(x, self.x_scale, self.x_zp).dequantize() if x.dtype == torch.uint8 else x
+            if activation_qmax() < 255:
+                xf = xf.clamp(max=(activation_qmax() - self.x_zp) * self.x_scale)
+            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                xf.reshape(-1, x.shape[-1]).float(), self.x_scale, self.x_zp, self.packed)
+            return self._finish(y.reshape(*lead, y.shape[-1]) + self._float_other(other), fused=False)
         if self.post_op in (None, "relu") and out_q is not None and (x.dtype == torch.uint8 or self.out_qparams):
             # int8 in, int8 out: requantization fused into FBGEMM's output stage
             qx = quantize_input(x.reshape(-1, x.shape[-1]), self.x_scale, self.x_zp)

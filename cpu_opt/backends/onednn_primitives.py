@@ -11,20 +11,76 @@ from .int8 import Conv2dKernel, LinearKernel, _is_fake, chain_u8, input_u8
 
 
 class DnnlLinear(LinearKernel):
-    """cpu_opt's oneDNN 3.2 int8 matmul (u8 x s8 -> f32, scales and zero point applied inside)."""
+    """cpu_opt's oneDNN 3.2 int8 matmul: u8 x s8 with the input, weight (and, for a chained consumer,
+    output) scales and zero points, a residual add (a binary-add post-op reading the residual where it
+    lies, as :class:`DnnlConv2d`'s) and the activation inside the primitive, written as uint8 or f32.
+    Compiled and bound once per row count (:meth:`cpu_opt.dnnl.primitives.Matmul.bind`): a call sets
+    a few pointers and runs."""
     family = "onednn"
 
     def __init__(self, wq, w_scales, bias, x_qparams, **kw):
         super().__init__(wq, w_scales, bias, x_qparams, **kw)
+        self.fused_post_op = self.post_op is not None
+        self.wq_t = wq.t()
+        self._bound: dict = {}
+        self.mm = self._matmul(None)
+
+    def _matmul(self, residual: torch.Tensor | None):
         from cpu_opt.dnnl.primitives import Matmul
 
-        self.fused_post_op = self.post_op is not None
-        self.mm = Matmul(wq.t(), self.bias, [self.post_op] if self.post_op else [], src_scale=self.x_scale,
-                         weight_scales=self.w_scales, src_zero_point=self.x_zp)
+        post = _residual_post_ops(residual, self.other_qparams) + ([self.post_op] if self.post_op else [])
+        ys, yz = self.out_qparams if self.out_qparams is not None else (None, None)
+        return Matmul(self.wq_t, self.bias, post, src_scale=self.x_scale, weight_scales=self.w_scales,
+                      src_zero_point=self.x_zp, dst_dtype=torch.uint8 if self.out_qparams is not None else torch.float32,
+                      dst_scale=ys, dst_zero_point=yz)
 
     def run(self, x, other=None):
-        u = input_u8(x, self.x_scale, self.x_zp).contiguous()
-        return self._finish(self.mm(u), fused=True)
+        u = input_u8(x, self.x_scale, self.x_zp)
+        lead = u.shape[:-1]
+        u2 = u.reshape(-1, u.shape[-1])
+        if not u2.is_contiguous():
+            u2 = u2.contiguous()
+        rows = u2.shape[0]
+        r2 = None
+        if other is not None:
+            r2 = _residual_operand(other, self.other_qparams).reshape(rows, self.out_features)
+            if not r2.is_contiguous():
+                r2 = r2.contiguous()
+        key = (rows, None if r2 is None else r2.dtype)
+        bound = self._bound.get(key)
+        if bound is None:
+            mm = self.mm if r2 is None else self._matmul(r2)
+            bound = self._bound[key] = mm.bind(rows)
+        y = bound(u2, self._output(key, bound.out_shape, bound.dst_dtype) if self.reuse_output else None, binary=r2)
+        y = y.reshape(*lead, self.out_features)
+        return chain_u8(y) if self.out_qparams is not None else y
+
+    def __deepcopy__(self, memo):
+        """Immutable once built (packed weights, bound primitives with per-thread memory): shared."""
+        return self
+
+
+def _residual_operand(other: torch.Tensor, other_qparams) -> torch.Tensor:
+    """A residual as a binary post-op reads it: uint8 (with its qparams) or float32."""
+    if other.dtype == torch.uint8:
+        if other_qparams is None:
+            raise RuntimeError("a uint8 residual without its quantization parameters")
+        return other
+    return other if other.dtype == torch.float32 else other.float()
+
+
+def _residual_post_ops(residual: torch.Tensor | None, other_qparams) -> list:
+    """The post-ops that add ``residual`` (laid out as it is) to the result: an f32 one as it is, a
+    uint8 one (scale ``a_s``, zero point ``a_z``) as ``a_s * (y / a_s - a_z + u)``."""
+    from cpu_opt.dnnl.primitives import PostOp
+
+    if residual is None:
+        return []
+    add = PostOp("add", shape=tuple(residual.shape), dtype=residual.dtype, strides=tuple(residual.stride()))
+    if residual.dtype != torch.uint8:
+        return [add]
+    a_s, a_z = other_qparams
+    return [PostOp("linear", alpha=1.0 / a_s, beta=-float(a_z)), add, PostOp("linear", alpha=a_s)]
 
 
 class DnnlConv2d(Conv2dKernel):
@@ -54,16 +110,9 @@ class DnnlConv2d(Conv2dKernel):
         key = (shape, kind)
         bound = self._bound.get(key)
         if bound is None:
-            from cpu_opt.dnnl.primitives import Conv2d, PostOp
+            from cpu_opt.dnnl.primitives import Conv2d
 
-            post = []
-            if residual is not None:
-                add = PostOp("add", shape=tuple(residual.shape), dtype=residual.dtype, strides=tuple(residual.stride()))
-                if residual.dtype == torch.uint8:
-                    a_s, a_z = self.other_qparams
-                    post += [PostOp("linear", alpha=1.0 / a_s, beta=-float(a_z)), add, PostOp("linear", alpha=a_s)]
-                else:
-                    post.append(add)
+            post = _residual_post_ops(residual, self.other_qparams)
             if self.post_op is not None:
                 post.append(self.post_op)
             ys, yz = self.out_qparams if self.out_qparams is not None else (None, None)
@@ -88,11 +137,7 @@ class DnnlConv2d(Conv2dKernel):
             bound = self._conv(tuple(u.shape), None)
             y = bound(u, self._output(bound, bound.out_shape, bound.dst_dtype, cl) if self.reuse_output else None)
         else:
-            if other.dtype == torch.uint8:
-                if self.other_qparams is None:
-                    raise RuntimeError("conv2d: a uint8 residual without its quantization parameters")
-            elif other.dtype != torch.float32:
-                other = other.float()
+            other = _residual_operand(other, self.other_qparams)
             if not other.is_contiguous(memory_format=cl):
                 other = other.contiguous(memory_format=cl)
             bound = self._conv(tuple(u.shape), other)

@@ -41,6 +41,10 @@ class TorchOnednnLinear(LinearKernel):
         u = input_u8(x, self.x_scale, self.x_zp)
         lead = u.shape[:-1]
         u2 = u.reshape(-1, u.shape[-1])
+        if other is not None:   # a residual: the linear in fp32, the add, then the activation (and chain)
+            y = torch.ops.onednn.qlinear_pointwise(u2, self.x_scale, self.x_zp, self.packed, self.w_scales,
+                                                   self.w_zps, self.bias, 1.0, 0, torch.float32, "none", [], "")
+            return self._finish(y.reshape(*lead, y.shape[-1]) + self._float_other(other), fused=False)
         if self.out_qparams is not None:
             ys, yz = self.out_qparams
             y = torch.ops.onednn.qlinear_pointwise(u2, self.x_scale, self.x_zp, self.packed, self.w_scales,

@@ -130,7 +130,8 @@ def build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbos
         _propagate_shapes(gm, flat_in)
     log = passes.run_passes(gm)
     progress.step("passes")
-    if dtype == "int8":  # int8 layers in the graph (cpu_opt.quant.graph), everything else fp32
+    int8_graph = dtype == "int8"
+    if int8_graph:  # int8 layers in the graph (cpu_opt.quant.graph), everything else fp32
         from ..quant.graph import quantize_graph
 
         if int8 is None:
@@ -142,7 +143,7 @@ def build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbos
         log += passes.cast_params(gm, torch.bfloat16)
         cast_inputs_outputs(gm, torch.bfloat16, out_dtypes)
         _propagate_shapes(gm, flat_in)
-    log += passes.route_attention(gm, dtype)
+    log += passes.route_attention(gm, dtype, int8=int8_graph)
     cl = channels_last_inputs(gm)
     if cl:
         log.append("convolution network: inputs and 4-D activations in channels-last")

@@ -260,7 +260,24 @@ def _post_op_key(post_ops):
                  for p in post_ops)
 
 
-class Matmul:
+class _QuantArgs:
+    """The int8 scale / zero-point arguments of a layer primitive (``src_scale``, ``weight_scales``,
+    ``dst_scale``, ``src_zp``, ``dst_zp``: tensors or None), as ``{DNNL_ARG_ATTR_*: tensor}``."""
+
+    def _quant_args(self) -> dict[int, torch.Tensor]:
+        l = L.lib()
+        out = {}
+        for arg, t in ((l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_SRC, self.src_scale),
+                       (l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_WEIGHTS, self.weight_scales),
+                       (l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_DST, self.dst_scale),
+                       (l.DNNL_ARG_ATTR_ZERO_POINTS | l.DNNL_ARG_SRC, self.src_zp),
+                       (l.DNNL_ARG_ATTR_ZERO_POINTS | l.DNNL_ARG_DST, self.dst_zp)):
+            if t is not None:
+                out[arg] = t
+        return out
+
+
+class Matmul(_QuantArgs):
     """``dst = src @ W (+ bias)`` with post-ops, ``W`` (K, N) packed once.
 
     ``src`` may have any number of leading dimensions (treated as rows, like ``F.linear``) and
@@ -275,7 +292,8 @@ class Matmul:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  post_ops: Sequence[PostOp | str] = (), *, src_dtype: torch.dtype | None = None,
                  dst_dtype: torch.dtype | None = None, src_scale: float | None = None,
-                 weight_scales=None, src_zero_point: int | None = None):
+                 weight_scales=None, src_zero_point: int | None = None, dst_scale: float | None = None,
+                 dst_zero_point: int | None = None):
         _check_tensor(weight, "weight", (torch.float32, torch.bfloat16, torch.int8), 2)
         self.K, self.N = weight.shape
         self.weight_dtype = weight.dtype
@@ -287,6 +305,10 @@ class Matmul:
             raise TypeError(f"src_dtype {self.src_dtype} does not match weight dtype {weight.dtype} "
                             "(cast one of them; mixed fp32/bf16 matmul is not supported)")
         self.dst_dtype = dst_dtype or (torch.float32 if int8 else weight.dtype)
+        if self.dst_dtype in (torch.uint8, torch.int8) and not int8:
+            raise TypeError(f"a {weight.dtype} matmul writes {weight.dtype}, not {self.dst_dtype}")
+        if (dst_scale is not None or dst_zero_point) and self.dst_dtype not in (torch.uint8, torch.int8):
+            raise TypeError(f"dst_scale / dst_zero_point are for a u8/s8 dst, not {self.dst_dtype}")
         if bias is not None:
             _check_tensor(bias, "bias", (torch.float32, torch.bfloat16), 1)
             if bias.numel() != self.N:
@@ -306,6 +328,13 @@ class Matmul:
                 raise ValueError(f"weight_scales must have 1 or N={self.N} values, got {ws.numel()}")
             self.weight_scales, self._wmask = ws, (0 if ws.numel() == 1 else 2)
         self.src_zp = None if not src_zero_point else torch.tensor([int(src_zero_point)], dtype=torch.int32)
+        self.dst_scale = None if dst_scale is None else _positive_scale(dst_scale, "dst_scale")
+        self.dst_zp = _zero_point(dst_zero_point, "dst_zero_point", self.dst_dtype)
+
+    def bind(self, rows: int) -> "BoundMatmul":
+        """This matmul compiled for a contiguous (``rows``, K) source, its weights, bias, scales and
+        zero points bound once: the per-call path of a layer whose batch is known."""
+        return BoundMatmul(self, rows)
 
     @classmethod
     def from_linear(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, post_ops=(), **kw) -> "Matmul":
@@ -324,7 +353,7 @@ class Matmul:
         return ("matmul", M, self.K, self.N, str(self.src_dtype), str(self.weight_dtype), str(self.dst_dtype),
                 None if self.bias is None else str(self.bias.dtype), _post_op_key(self.post_ops),
                 self.src_scale is not None, self._wmask if self.weight_scales is not None else None,
-                self.src_zp is not None)
+                self.src_zp is not None, self.dst_scale is not None, self.dst_zp is not None)
 
     def _compiled(self, M: int) -> tuple[Compiled, torch.Tensor]:
         comp = CACHE.get_or_create(self._key(M), lambda: self._create(M))
@@ -341,8 +370,12 @@ class Matmul:
             scales[l.DNNL_ARG_SRC] = 0
         if self.weight_scales is not None:
             scales[l.DNNL_ARG_WEIGHTS] = self._wmask
+        if self.dst_scale is not None:
+            scales[l.DNNL_ARG_DST] = 0
         if self.src_zp is not None:
             zps[l.DNNL_ARG_SRC] = 0
+        if self.dst_zp is not None:
+            zps[l.DNNL_ARG_DST] = 0
         attr = _Attr(self.post_ops, scales, zps, dst_ndims=2)
         comp = _matmul_primitive(src_md, w_md, b_md, dst_md, attr,
                                  f"matmul {M}x{self.K}x{self.N} {self.src_dtype}->{self.dst_dtype}")
@@ -350,14 +383,7 @@ class Matmul:
         if b_md is not None:
             args.append((l.DNNL_ARG_BIAS, b_md))
         args += attr.binary_args
-        one = MemoryDesc.strided((1,), torch.float32)
-        if self.src_scale is not None:
-            args.append((l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_SRC, one))
-        if self.weight_scales is not None:
-            args.append((l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_WEIGHTS,
-                         MemoryDesc.strided((self.weight_scales.numel(),), torch.float32)))
-        if self.src_zp is not None:
-            args.append((l.DNNL_ARG_ATTR_ZERO_POINTS | l.DNNL_ARG_SRC, MemoryDesc.strided((1,), torch.int32)))
+        args += [(arg, MemoryDesc.strided((t.numel(),), t.dtype)) for arg, t in self._quant_args().items()]
         comp.bind(args)
         comp._attr = attr  # keep alive
         return comp
@@ -397,12 +423,7 @@ class Matmul:
             t = _binary_operand(t, md, op_strides(self.post_ops, len(keep)))
             keep.append(t)
             tensors[arg] = t
-        if self.src_scale is not None:
-            tensors[l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_SRC] = self.src_scale
-        if self.weight_scales is not None:
-            tensors[l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_WEIGHTS] = self.weight_scales
-        if self.src_zp is not None:
-            tensors[l.DNNL_ARG_ATTR_ZERO_POINTS | l.DNNL_ARG_SRC] = self.src_zp
+        tensors.update(self._quant_args())
         comp.run(tensors)
         return out
 
@@ -536,7 +557,7 @@ def _pair(v, name) -> tuple[int, int]:
     return v
 
 
-class Conv2d:
+class Conv2d(_QuantArgs):
     """2-D convolution like ``F.conv2d`` (groups, stride, padding, dilation, post-ops), weights
     (O, I/groups, kH, kW) packed once. Inputs in NCHW or channels-last; the output takes the
     input's memory format (channels-last in, channels-last out).
@@ -568,6 +589,10 @@ class Conv2d:
         int8 = weight.dtype == torch.int8
         self.src_dtype = src_dtype or (torch.uint8 if int8 else weight.dtype)
         self.dst_dtype = dst_dtype or (torch.float32 if int8 else weight.dtype)
+        if self.dst_dtype in (torch.uint8, torch.int8) and not int8:
+            raise TypeError(f"a {weight.dtype} matmul writes {weight.dtype}, not {self.dst_dtype}")
+        if (dst_scale is not None or dst_zero_point) and self.dst_dtype not in (torch.uint8, torch.int8):
+            raise TypeError(f"dst_scale / dst_zero_point are for a u8/s8 dst, not {self.dst_dtype}")
         if int8:
             if self.src_dtype not in (torch.uint8, torch.int8):
                 raise TypeError(f"int8 weights need a u8 or s8 src, got src_dtype={self.src_dtype}")
@@ -605,19 +630,6 @@ class Conv2d:
         oh = (h + 2 * self.padding[0] - self.dilation[0] * (self.kh - 1) - 1) // self.stride[0] + 1
         ow = (w + 2 * self.padding[1] - self.dilation[1] * (self.kw - 1) - 1) // self.stride[1] + 1
         return oh, ow
-
-    def _quant_args(self) -> dict[int, torch.Tensor]:
-        """The scale / zero-point arguments (int8) as ``{DNNL_ARG_ATTR_*: tensor}``."""
-        l = L.lib()
-        out = {}
-        for arg, t in ((l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_SRC, self.src_scale),
-                       (l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_WEIGHTS, self.weight_scales),
-                       (l.DNNL_ARG_ATTR_SCALES | l.DNNL_ARG_DST, self.dst_scale),
-                       (l.DNNL_ARG_ATTR_ZERO_POINTS | l.DNNL_ARG_SRC, self.src_zp),
-                       (l.DNNL_ARG_ATTR_ZERO_POINTS | l.DNNL_ARG_DST, self.dst_zp)):
-            if t is not None:
-                out[arg] = t
-        return out
 
     def _create(self, src_shape, src_strides, dst_shape, dst_strides) -> Compiled:
         l, f = L.lib(), L.ffi()
@@ -732,49 +744,36 @@ class Conv2d:
         return self
 
 
-class BoundConv2d:
-    """A :class:`Conv2d` compiled for one input shape and layout, with its packed weights, bias,
-    scales and zero points bound to oneDNN memory once: a call checks the input's shape, strides and
-    dtype (nothing of another layout ever reaches the kernel), sets the source and destination
-    pointers and runs. Several threads may call it (each has its own memory objects and scratchpad)."""
+class _Bound:
+    """The per-call path of a primitive compiled for one source shape and layout, its constant
+    arguments (packed weights, bias, scales, zero points) bound to oneDNN memory once: a call checks
+    the source's (and the destination's, and the add/mul operand's) shape, strides and dtype against
+    what was compiled (nothing of another layout ever reaches the kernel), sets those pointers and
+    runs. Several threads may call it (each has its own memory objects and scratchpad)."""
 
-    def __init__(self, conv: Conv2d, src_shape: tuple, memory_format):
-        if len(src_shape) != 4:
-            raise ValueError(f"src_shape must have 4 dimensions, got {src_shape}")
-        if memory_format not in (torch.channels_last, torch.contiguous_format):
-            raise ValueError(f"memory_format must be channels_last or contiguous_format, got {memory_format}")
-        bins = [p for p in conv.post_ops if p.kind in ("add", "mul")]
-        if len(bins) > 1:
-            raise ValueError("a bound convolution takes at most one add/mul post-op operand; call the Conv2d instead")
-        conv._check_shape(src_shape)
-        self.conv = conv
-        self.src_shape = src_shape
-        self.src_strides = torch.empty(src_shape, device="meta", memory_format=memory_format).stride()
-        oh, ow = conv.out_hw(src_shape[2], src_shape[3])
-        self.out_shape = (src_shape[0], conv.O, oh, ow)
-        self.memory_format = memory_format
-        self.out_strides = torch.empty(self.out_shape, device="meta", memory_format=memory_format).stride()
-        self.src_dtype, self.dst_dtype = conv.src_dtype, conv.dst_dtype
-        self.accumulates = any(p.kind == "sum" for p in conv.post_ops)
-        self.empty = 0 in self.out_shape
+    what = "primitive"
+
+    def _bind(self, comp: "Compiled | None", const: dict, src_shape, src_strides, src_dtype, out_shape,
+              out_strides, dst_dtype, memory_format, accumulates: bool, bin_op: "PostOp | None", ndims: int):
+        self.src_shape, self.src_strides, self.src_dtype = tuple(src_shape), tuple(src_strides), src_dtype
+        self.out_shape, self.out_strides, self.dst_dtype = tuple(out_shape), tuple(out_strides), dst_dtype
+        self.memory_format, self.accumulates = memory_format, accumulates
+        self.empty = comp is None
+        self._bin = None
         if self.empty:
             return
-        comp = conv._compiled(src_shape, self.src_strides, self.out_shape, self.out_strides)
-        self._const = conv._constant_args(comp)  # kept alive: oneDNN memory points at them
+        self._const = const  # kept alive: oneDNN memory points at them
         self._comp = comp
-        self._slots = ThreadSlots(comp.args, self._const, comp.per_thread)
+        self._slots = ThreadSlots(comp.args, const, comp.per_thread)
         l = L.lib()
         self._src_arg, self._dst_arg = l.DNNL_ARG_SRC, l.DNNL_ARG_DST
-        # the add/mul operand: exactly the shape, strides and dtype it was declared with
-        self._bin = None
-        if bins:
-            arg, md = comp._attr.binary_args[0]
-            op = bins[0]
-            shape = (1,) * (4 - len(op.shape)) + tuple(op.shape)
-            strides = md_strides = op.strides or torch.empty(shape, device="meta").stride()
-            if len(md_strides) < 4:
-                strides = (0,) * (4 - len(md_strides)) + tuple(md_strides)
-            self._bin = (arg, shape, tuple(strides), op.dtype)
+        if bin_op is not None:   # the add/mul operand: exactly the shape, strides and dtype it was declared with
+            arg, _md = comp._attr.binary_args[0]
+            shape = (1,) * (ndims - len(bin_op.shape)) + tuple(bin_op.shape)
+            strides = bin_op.strides or torch.empty(shape, device="meta").stride()
+            if len(strides) < ndims:
+                strides = (0,) * (ndims - len(strides)) + tuple(strides)
+            self._bin = (arg, shape, tuple(strides), bin_op.dtype)
 
     @property
     def impl(self) -> str:
@@ -787,11 +786,12 @@ class BoundConv2d:
     def __call__(self, src: torch.Tensor, out: torch.Tensor | None = None,
                  binary: torch.Tensor | None = None) -> torch.Tensor:
         """``out``: the tensor a ``sum`` post-op accumulates into and the result overwrites (required
-        then; else a new tensor is returned). ``binary``: the add/mul post-op's operand, of exactly
-        the shape, strides and dtype it was declared with (read, never written)."""
+        then; else a new tensor is returned, or the one given is written). ``binary``: the add/mul
+        post-op's operand, of exactly the shape, strides and dtype it was declared with (read, never
+        written)."""
         if src.shape != self.src_shape or not _same_strides(src, self.src_strides) or src.dtype != self.src_dtype \
                 or src.device.type != "cpu" or src.is_quantized or src.layout != torch.strided:
-            raise ValueError(f"this convolution is bound to {self.src_dtype} input of shape {self.src_shape} with "
+            raise ValueError(f"this {self.what} is bound to {self.src_dtype} input of shape {self.src_shape} with "
                              f"strides {self.src_strides}; got {src.dtype} {tuple(src.shape)} strides "
                              f"{tuple(src.stride())}")
         if out is None:
@@ -805,12 +805,13 @@ class BoundConv2d:
         elif overlaps(out, src):
             raise ValueError("out shares memory with src; pass a separate buffer")
         if (binary is None) != (self._bin is None):
-            raise ValueError("this convolution has an add/mul post-op: pass its operand as binary=" if self._bin
-                             else "this convolution has no add/mul post-op; binary= is not taken")
+            raise ValueError(f"this {self.what} has an add/mul post-op: pass its operand as binary=" if self._bin
+                             else f"this {self.what} has no add/mul post-op; binary= is not taken")
         if binary is not None:
             _, bshape, bstrides, bdtype = self._bin
-            if tuple(binary.shape) != bshape[4 - binary.dim():] or binary.dtype != bdtype or binary.dim() > 4 \
-                    or not _same_strides(binary, bstrides[4 - binary.dim():]) or binary.device.type != "cpu" \
+            nd = len(bshape)
+            if binary.dim() > nd or tuple(binary.shape) != bshape[nd - binary.dim():] or binary.dtype != bdtype \
+                    or not _same_strides(binary, bstrides[nd - binary.dim():]) or binary.device.type != "cpu" \
                     or binary.is_quantized or binary.layout != torch.strided:
                 raise ValueError(f"binary must be {bdtype} of shape {bshape} with strides {bstrides}; got "
                                  f"{binary.dtype} {tuple(binary.shape)} strides {tuple(binary.stride())}")
@@ -835,11 +836,66 @@ class BoundConv2d:
         return out
 
 
-class MaxPool2d:
+def _single_binary(post_ops, what: str):
+    bins = [p for p in post_ops if p.kind in ("add", "mul")]
+    if len(bins) > 1:
+        raise ValueError(f"a bound {what} takes at most one add/mul post-op operand; call it unbound instead")
+    return bins[0] if bins else None
+
+
+class BoundConv2d(_Bound):
+    """A :class:`Conv2d` compiled for one input shape and layout (:class:`_Bound`)."""
+
+    what = "convolution"
+
+    def __init__(self, conv: Conv2d, src_shape: tuple, memory_format):
+        if len(src_shape) != 4:
+            raise ValueError(f"src_shape must have 4 dimensions, got {src_shape}")
+        if memory_format not in (torch.channels_last, torch.contiguous_format):
+            raise ValueError(f"memory_format must be channels_last or contiguous_format, got {memory_format}")
+        bin_op = _single_binary(conv.post_ops, self.what)
+        conv._check_shape(src_shape)
+        self.conv = conv
+        src_strides = torch.empty(src_shape, device="meta", memory_format=memory_format).stride()
+        oh, ow = conv.out_hw(src_shape[2], src_shape[3])
+        out_shape = (src_shape[0], conv.O, oh, ow)
+        out_strides = torch.empty(out_shape, device="meta", memory_format=memory_format).stride()
+        comp = None if 0 in out_shape else conv._compiled(src_shape, src_strides, out_shape, out_strides)
+        self._bind(comp, conv._constant_args(comp) if comp is not None else {}, src_shape, src_strides,
+                   conv.src_dtype, out_shape, out_strides, conv.dst_dtype, memory_format,
+                   any(p.kind == "sum" for p in conv.post_ops), bin_op, 4)
+
+
+class BoundMatmul(_Bound):
+    """A :class:`Matmul` compiled for a contiguous (M, K) source (:class:`_Bound`): the int8 and fp32
+    linear layers' per-call path."""
+
+    what = "matmul"
+
+    def __init__(self, mm: "Matmul", rows: int):
+        rows = int(rows)
+        if rows < 0:
+            raise ValueError(f"rows must be >= 0, got {rows}")
+        bin_op = _single_binary(mm.post_ops, self.what)
+        self.mm = mm
+        comp, packed = mm._compiled(rows) if rows else (None, None)
+        const = {}
+        if comp is not None:
+            l = L.lib()
+            const = {l.DNNL_ARG_WEIGHTS: packed, **mm._quant_args()}
+            if mm.bias is not None:
+                const[l.DNNL_ARG_BIAS] = mm.bias
+        self._bind(comp, const, (rows, mm.K), (mm.K, 1), mm.src_dtype, (rows, mm.N), (mm.N, 1), mm.dst_dtype,
+                   torch.contiguous_format, any(p.kind == "sum" for p in mm.post_ops), bin_op, 2)
+
+
+class MaxPool2d(_Bound):
     """``F.max_pool2d`` (kernel, stride, padding, dilation, ceil_mode) as a oneDNN pooling primitive
     compiled for one input shape, dtype and layout: f32, bf16, u8 or s8 (max commutes with a monotonic
     quantization, so uint8 bytes pool to the bytes of the pooled values). Padding never wins (oneDNN
-    excludes it), as in torch."""
+    excludes it), as in torch. Called like any bound primitive (:class:`_Bound`)."""
+
+    what = "max_pool2d"
 
     def __init__(self, src_shape, dtype: torch.dtype, kernel_size, stride=None, padding=0, dilation=1,
                  ceil_mode: bool = False, memory_format=torch.channels_last):
@@ -863,25 +919,28 @@ class MaxPool2d:
             if o < 1:
                 raise ValueError(f"input {H}x{W} is too small for max_pool2d kernel {k} with padding {pad}")
             out.append(o)
-        self.src_shape, self.dtype, self.memory_format = (N, C, H, W), dtype, memory_format
-        self.out_shape = (N, C, out[0], out[1])
+        src_shape, out_shape = (N, C, H, W), (N, C, out[0], out[1])
         meta = lambda shp: torch.empty(shp, device="meta", memory_format=memory_format).stride()  # noqa: E731
-        self.src_strides, self.out_strides = meta(self.src_shape), meta(self.out_shape)
+        src_strides, out_strides = meta(src_shape), meta(out_shape)
+        self.dtype = dtype
         pad_r = [(o - 1) * s_ + d_ * (kk - 1) + 1 - size - p_
                  for o, s_, d_, kk, size, p_ in zip(out, st, dil, k, (H, W), pad)]
-        key = ("max_pool2d", self.src_shape, self.src_strides, self.out_strides, str(dtype), k, st, pad, dil,
-               tuple(pad_r))
-        self._comp = CACHE.get_or_create(key, lambda: self._create(k, st, pad, dil, pad_r))
-        self._slots = ThreadSlots(self._comp.args, {}, self._comp.per_thread)
+        key = ("max_pool2d", src_shape, src_strides, out_strides, str(dtype), k, st, pad, dil, tuple(pad_r))
+        comp = None
+        if 0 not in out_shape:
+            comp = CACHE.get_or_create(key, lambda: self._create(src_shape, src_strides, out_shape, out_strides,
+                                                                 k, st, pad, dil, pad_r))
+        self._bind(comp, {}, src_shape, src_strides, dtype, out_shape, out_strides, dtype, memory_format, False,
+                   None, 4)
 
-    def _create(self, k, st, pad, dil, pad_r) -> Compiled:
+    def _create(self, src_shape, src_strides, out_shape, out_strides, k, st, pad, dil, pad_r) -> Compiled:
         l, f = L.lib(), L.ffi()
-        src_md = MemoryDesc.strided(self.src_shape, self.dtype, self.src_strides)
-        dst_md = MemoryDesc.strided(self.out_shape, self.dtype, self.out_strides)
+        src_md = MemoryDesc.strided(src_shape, self.dtype, src_strides)
+        dst_md = MemoryDesc.strided(out_shape, self.dtype, out_strides)
         attr = _Attr()
         pd = f.new("dnnl_primitive_desc_t *")
         dims = lambda v: f.new("dnnl_dims_t", [int(x) for x in v])  # noqa: E731
-        what = f"max_pool2d {self.src_shape}->{self.out_shape} {self.dtype}"
+        what = f"max_pool2d {src_shape}->{out_shape} {self.dtype}"
         L.check(l.dnnl_pooling_forward_primitive_desc_create(
             pd, L.engine(), l.dnnl_forward_inference, l.dnnl_pooling_max, src_md.handle, dst_md.handle, dims(st),
             dims(k), dims([d - 1 for d in dil]), dims(pad), dims(pad_r), attr.handle),
@@ -890,39 +949,6 @@ class MaxPool2d:
         comp.bind([(l.DNNL_ARG_SRC, src_md), (l.DNNL_ARG_DST, dst_md)])
         comp._attr = attr
         return comp
-
-    @property
-    def impl(self) -> str:
-        return self._comp.impl
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __call__(self, src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if src.shape != self.src_shape or not _same_strides(src, self.src_strides) or src.dtype != self.dtype \
-                or src.device.type != "cpu" or src.is_quantized or src.layout != torch.strided:
-            raise ValueError(f"this max_pool2d is compiled for {self.dtype} input of shape {self.src_shape} with "
-                             f"strides {self.src_strides}; got {src.dtype} {tuple(src.shape)} strides "
-                             f"{tuple(src.stride())}")
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=self.dtype, memory_format=self.memory_format)
-        elif out.shape != self.out_shape or not _same_strides(out, self.out_strides) or out.dtype != self.dtype \
-                or out.device.type != "cpu" or out.is_quantized or out.layout != torch.strided or overlaps(out, src):
-            raise ValueError(f"out must be a separate {self.dtype} tensor of shape {self.out_shape} with strides "
-                             f"{self.out_strides}")
-        if out.numel() == 0:
-            return out
-        lib, ptr = L.lib(), L.ffi().cast
-        mems, args = self._slots.get()
-        L.check(lib.dnnl_memory_set_data_handle(mems[lib.DNNL_ARG_SRC], ptr("void *", src.data_ptr())),
-                "dnnl_memory_set_data_handle")
-        L.check(lib.dnnl_memory_set_data_handle(mems[lib.DNNL_ARG_DST], ptr("void *", out.data_ptr())),
-                "dnnl_memory_set_data_handle")
-        stream = L.stream()
-        L.check(lib.dnnl_primitive_execute(self._comp.prim, stream, len(args), args), "dnnl_primitive_execute",
-                self._comp.what)
-        L.check(lib.dnnl_stream_wait(stream), "dnnl_stream_wait", self._comp.what)
-        return out
 
 
 def _same_strides(t: torch.Tensor, strides) -> bool:

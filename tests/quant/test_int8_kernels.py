@@ -471,3 +471,32 @@ def test_as_u8_and_from_u8_round_trip_without_copy():
     with pytest.raises(TypeError, match="float or uint8"):
         K.quantize_input(torch.ones(3, dtype=torch.int32), XS, XZ)
     assert X_QMAX in (127, 255)
+
+
+# residual on a linear layer: y = post_op(linear(x) + other) (a transformer's attention output and FFN
+# projections + the skip connection); cpu_opt's oneDNN fuses the add, the others add in fp32 after
+@pytest.mark.parametrize("other_dtype", ["fp32", "uint8"])
+@pytest.mark.parametrize("post_op", [None, "relu", "gelu_erf"], ids=str)
+@pytest.mark.parametrize("chained", [False, True], ids=["fp32_out", "uint8_out"])
+@pytest.mark.parametrize("family", LINEAR_FAMILIES)
+def test_linear_residual_add(family, post_op, other_dtype, chained):
+    wq, ws, b, x, u, raw = _linear_case(True, seed=61)
+    other_f, other_u = grid_input(tuple(raw.shape), OS, OZ, 66, qmax=255)
+    ref = REF_POST[post_op](raw + other_f.double())
+    qp = _chain_qparams(ref) if chained else None
+    k = K.LINEAR_KERNELS[family](wq, ws, b, (XS, XZ), post_op=post_op, out_qparams=qp)
+    k.other_qparams = (OS, OZ)
+    k.raw_qparams = minmax_qparams(raw)
+    k.own_out_qparams = qp or minmax_qparams(ref)
+    other = other_f if other_dtype == "fp32" else other_u
+    before = other.clone()
+    y = k(x, other)
+    assert torch.equal(other, before)                               # the residual is read, never written
+    if chained:
+        _u8_within_one_step(y, ref, qp)
+    else:
+        _fp32_close(y, ref)
+    if other_dtype == "uint8":
+        k.other_qparams = None
+        with pytest.raises(RuntimeError, match="uint8 residual"):
+            k(x, other)

@@ -191,15 +191,36 @@ def fold_linear_scale(gm: torch.fx.GraphModule) -> list[str]:
     return [f"folded {folded} per-channel scale(s) into linear weights"] if folded else []
 
 
+def _layer_norm_affine(gm: torch.fx.GraphModule) -> set:
+    """Qualified names of the parameters read only as a ``layer_norm``'s weight or bias."""
+    keep = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target == aten.layer_norm.default:
+            for a in n.args[2:4]:
+                if isinstance(a, torch.fx.Node) and a.op == "get_attr" and all(
+                        u.op == "call_function" and u.target == aten.layer_norm.default and a in u.args[2:4]
+                        for u in a.users):
+                    keep.add(a.target)
+    return keep
+
+
 def cast_params(gm: torch.fx.GraphModule, dtype: torch.dtype) -> list[str]:
-    """Convert every floating parameter/buffer to ``dtype`` once."""
+    """Convert every floating parameter/buffer to ``dtype`` once, except the affine weight and bias
+    of LayerNorms, which stay fp32: oneDNN Graph 3.2 takes a bf16 LayerNorm only with fp32 gamma and
+    beta (with bf16 ones it returns the op as an unsupported partition, and the 25 LayerNorms of
+    BERT-base ran in torch), and torch's layer_norm takes that mix too."""
     n = 0
-    for mod in gm.modules():
+    keep = _layer_norm_affine(gm) if dtype == torch.bfloat16 else set()
+    for prefix, mod in gm.named_modules():
         for name, p in list(mod.named_parameters(recurse=False)):
+            if f"{prefix}.{name}".lstrip(".") in keep:
+                continue
             if p.is_floating_point() and p.dtype != dtype:
                 mod._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
                 n += 1
         for name, b in list(mod.named_buffers(recurse=False)):
+            if f"{prefix}.{name}".lstrip(".") in keep:
+                continue
             if b is not None and b.is_floating_point() and b.dtype != dtype:
                 mod._buffers[name] = b.to(dtype)
                 n += 1
