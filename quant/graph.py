@@ -434,6 +434,7 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
     chained_values = {n for n in new_nodes.values() if fx.node_value(n) is not None and fx.node_value(n).dtype == torch.uint8}
     for r, L in zip(report, layers):
         r["in"] = "uint8 (chained)" if new_nodes.get(L.x, L.x) in chained_values else "fp32"
+    merged = _merge_parallel_linears(gm, report)
     gm.graph.eliminate_dead_code()
     fx.drop_unused_constants(gm)
     gm.graph.lint()
@@ -447,7 +448,56 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
     fused = sum(r["post_op"] is not None for r in report)
     return [f"int8: {len(report)} layer(s) quantized ({', '.join(f'{v} on {k}' for k, v in fams.items())}), "
             f"{fused} with the activation fused, {n_chain} writing uint8 straight into the next int8 layer"
+            + (f", {merged} group(s) of parallel layers run as one GEMM" if merged else "")
             + (f"; {len(skipped)} kept in fp32" if skipped else "")]
+
+
+def _merge_parallel_linears(gm: torch.fx.GraphModule, report: list[dict]) -> int:
+    """Linear layers on cpu_opt's oneDNN that read the same input with the same input scale, the same
+    activation, no residual and float32 outputs (a transformer's query, key and value projections)
+    become one GEMM over their concatenated weights, each layer's output a slice of its result: the
+    input is quantized once and one call replaces three (BERT-base int8: 36 calls of 128x768x768 ->
+    12 of 128x768x2304). Per-channel weight scales concatenate as they are. Returns the groups made."""
+    from cpu_opt.backends.onednn_primitives import DnnlLinear
+
+    groups: dict = {}
+    for n in gm.graph.nodes:
+        k = n.target
+        if n.op == "call_function" and type(k) is DnnlLinear and len(n.args) == 1 and not n.kwargs \
+                and k.out_qparams is None and isinstance(fx.node_value(n), torch.Tensor):
+            key = (n.args[0], k.x_scale, k.x_zp, k.post_op, k.wq_t.shape[0], k.bias is None)
+            groups.setdefault(key, []).append(n)
+    rows = {r["node"]: r for r in report}
+    made = 0
+    for (x, xs, xz, post, _k, _nob), nodes in groups.items():
+        if len(nodes) < 2:
+            continue
+        ks = [n.target for n in nodes]
+        bias = None if ks[0].bias is None else torch.cat([k.bias for k in ks])
+        kernel = DnnlLinear(torch.cat([k.wq_t.t() for k in ks]), torch.cat([k.w_scales for k in ks]), bias,
+                            (xs, xz), post_op=post)
+        kernel.__name__ = f"int8_linear_{next(_kernel_ids)}"
+        kernel.own_out_qparams = ks[0].own_out_qparams
+        with gm.graph.inserting_before(nodes[0]):
+            m = gm.graph.call_function(kernel, (x,))
+        v0 = fx.node_value(nodes[0])
+        m.meta = {"val": torch.empty((*v0.shape[:-1], kernel.out_features), dtype=torch.float32, device="meta"),
+                  "cpu_opt_route": nodes[0].meta.get("cpu_opt_route")}
+        names = [rows[n.name]["layer"] if n.name in rows else n.name for n in nodes]
+        off = 0
+        for n, k in zip(nodes, ks):
+            with gm.graph.inserting_before(n):
+                sl = gm.graph.call_function(aten.slice.Tensor, (m, -1, off, off + k.out_features))
+            v = fx.node_value(n)
+            sl.meta = {k2: val for k2, val in n.meta.items() if k2 != "val"}
+            sl.meta["val"] = torch.empty(v.shape, dtype=v.dtype, device="meta")
+            off += k.out_features
+            if n.name in rows:
+                rows[n.name]["merged_gemm"] = {"node": m.name, "layers": names, "n": kernel.out_features}
+            n.replace_all_uses_with(sl)
+            gm.graph.erase_node(n)
+        made += 1
+    return made
 
 
 def _measure_families(L, build, vx, x_qp, state):

@@ -717,3 +717,52 @@ def test_reused_int8_outputs_never_reach_the_caller():
         for got, ref in zip(opt(x1), m(x1)):
             cos, _ = compare(got, ref)
             assert cos >= MIN_COSINE, cos
+
+
+class _QKV(nn.Module):
+    """A self-attention block: three projections of one input, attention, an output projection and
+    the residual: what the query/key/value merge is for."""
+
+    def __init__(self, d=64, heads=4):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.heads = heads
+
+    def forward(self, x):
+        h = self.ln(x)
+        b, s, d = h.shape
+        q, k, v = (p(h).view(b, s, self.heads, d // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, d)
+        return self.o(a) + x
+
+
+def test_parallel_projections_run_as_one_gemm(monkeypatch):
+    """q, k and v (same input, same scale, fp32 outputs) on cpu_opt's oneDNN become one GEMM over their
+    concatenated weights: one kernel call for the three, and the same numbers as three separate
+    calls (per-channel scales concatenate; the input is quantized once either way)."""
+    from cpu_opt.quant import api, graph as qgraph
+
+    torch.manual_seed(0)
+    m = _QKV().eval()
+    calib = [(torch.randn(2, 16, 64, generator=gen(700 + i)),) for i in range(N_CALIB)]
+    x = torch.randn(2, 16, 64, generator=gen(7))
+    monkeypatch.setattr(api, "choose_family", lambda kind, rows, macs, conv=None: ("onednn", "forced"))
+    merged = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping())
+    rows = {r["layer"]: r for r in merged.report()["int8"]}
+    groups = {r["merged_gemm"]["node"] for r in rows.values() if "merged_gemm" in r}
+    assert len(groups) == 1 and sorted(rows["q"]["merged_gemm"]["layers"]) == ["k", "q", "v"]
+    assert rows["q"]["merged_gemm"]["n"] == 192 and "merged_gemm" not in rows["o"]
+    assert rows["o"]["residual_add"] is True
+    with pytest.MonkeyPatch.context() as mp:
+        calls = KernelCalls(mp)
+        y = merged(x)
+    assert calls.total() == 2                                  # q+k+v in one call, o in another
+    monkeypatch.setattr(qgraph, "_merge_parallel_linears", lambda gm, report: 0)
+    separate = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping())
+    assert not any("merged_gemm" in r for r in separate.report()["int8"])
+    with torch.no_grad():
+        ys, ref = separate(x), m(x)
+    assert torch.allclose(y, ys, rtol=1e-5, atol=1e-5), (y - ys).abs().max()
+    cos, _ = compare(y, ref)
+    assert cos >= MIN_COSINE, cos
