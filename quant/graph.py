@@ -343,6 +343,8 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
     report = []
     new_nodes = {}
     chain_qp = {}   # new node writing uint8 -> its (scale, zero point)
+    kernels: dict = {}   # layer key -> its kernel
+    replaced: dict = {}  # a fused residual add -> the kernel node that took it
     for L in layers:
         # a chain: every user of the value is an int8 layer reading it as its input (all with the
         # same scale) or as the residual of a fused convolution + add, or a max-pool whose every user
@@ -353,12 +355,14 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
         consumers = [c for c in by_input.get(L.value, []) if c.key not in smooth]
         residuals = by_other.get(L.value, [])
         pooled = [c for p in pools for c in by_input.get(p, []) if c.key not in smooth]
+        res_nodes = {replaced.get(c.add, c.add) for c in residuals}   # a consumer done already: its kernel
         chained = (bool(users) and len(consumers) + len(residuals) == len(direct)
-                   and {c.node for c in consumers} | {c.add for c in residuals} == set(direct)
+                   and {c.node for c in consumers} | res_nodes == set(direct)
                    and all(_read_by_int8_layers(p, by_input, by_other, smooth) for p in pools)
                    and len({x_qp[c.key] for c in consumers + pooled}) <= 1
                    and all(sum(1 for a in c.node.args if a is L.value) == 1 for c in consumers)
-                   and all(sum(1 for a in c.add.args if a is L.value) == 1 for c in residuals))
+                   and all(sum(1 for a in (c.add.args if c.add in users else replaced[c.add].args)
+                                   if a is L.value) == 1 for c in residuals))
         consumers = consumers + pooled
         out_qp = (x_qp[consumers[0].key] if consumers else _qp(state.qparams[L.key]["out"])) if chained else None
         vx = fx.node_value(L.x)
@@ -391,7 +395,23 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
 
         if state.autotune:
             fam, why = _measure_families(L, build, vx, x_qp[L.key], state) or (fam, why)
+        # read only as the residual of layers done already, all on cpu_opt's oneDNN: written as int8 with a
+        # symmetric scale (a signed value, as a downsampling shortcut's; a uint8 zero point would take
+        # oneDNN 3.2 off its brgconv kernel), which those layers add back exactly
+        s8_residual = (chained and residuals and not consumers and fam == "onednn" and L.kind == "conv2d"
+                       and all(c.key in kernels and kernels[c.key].family == "onednn" for c in residuals))
+        if s8_residual:
+            lo, hi = (float(v.reshape(-1)[0]) for v in (state.qparams[L.key]["out"].min_val,
+                                                         state.qparams[L.key]["out"].max_val))
+            out_qp = (max(abs(lo), abs(hi), 1e-8) / 127.0, 0)
         kernel = build(fam)
+        if s8_residual:
+            kernel.out_int8 = True
+        if chained:   # residual consumers built already read this value with the qparams it is written with
+            for c in residuals:
+                if c.key in kernels:
+                    kernels[c.key].other_qparams = out_qp
+        kernels[L.key] = kernel
         kernel.__name__ = f"int8_{L.kind}_{next(_kernel_ids)}"
         x_in = new_nodes.get(L.x, L.x)
         with gm.graph.inserting_before(L.value):
@@ -407,8 +427,10 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
             new = gm.graph.call_function(kernel, args)
         vv = fx.node_value(L.value)
         new.meta = {k: v for k, v in L.value.meta.items() if k != "val"}
-        new.meta["val"] = torch.empty_strided(vv.shape, vv.stride(), dtype=torch.uint8 if chained else vv.dtype,
-                                              device="meta")
+        new.meta["val"] = torch.empty_strided(vv.shape, vv.stride(), device="meta",
+                                              dtype=torch.int8 if s8_residual else torch.uint8 if chained else vv.dtype)
+        if L.add is not None:
+            replaced[L.add] = new
         new.meta["cpu_opt_route"] = (f"int8:{fam}", why)
         L.value.replace_all_uses_with(new)
         new_nodes[L.value] = new
@@ -428,7 +450,7 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
             gm.graph.erase_node(dead)
         report.append({"layer": L.name, "node": new.name, "kind": L.kind, "family": fam, "why": why,
                        "post_op": post, "residual_add": L.add is not None, "smoothquant": L.key in smooth,
-                       "out": "uint8 (chained)" if chained else "fp32",
+                       "out": "int8 (residual)" if s8_residual else "uint8 (chained)" if chained else "fp32",
                        "in": "uint8 (chained)" if L.x in new_nodes else "fp32"})
     # inputs that were chained were recorded by their (now replaced) value node: fix the "in" column
     chained_values = {n for n in new_nodes.values() if fx.node_value(n) is not None and fx.node_value(n).dtype == torch.uint8}

@@ -222,13 +222,22 @@ class _Kernel:
         raise NotImplementedError
 
     def _float_other(self, other):
-        if other.dtype == torch.uint8:
+        if other.dtype in (torch.uint8, torch.int8):
             if self.other_qparams is None:
-                raise RuntimeError(f"{self.kind}: a uint8 residual without its quantization parameters")
+                raise RuntimeError(f"{self.kind}: a {'uint8' if other.dtype == torch.uint8 else 'int8'} residual "
+                                   "without its quantization parameters")
+            if other.dtype == torch.int8:   # symmetric (cpu_opt's oneDNN writes these)
+                return other.float() * self.other_qparams[0]
             return from_u8(other, *self.other_qparams).dequantize()
         return other
 
+    # int8 (symmetric) residuals come only from cpu_opt's oneDNN convolutions to layers of the same family
+    takes_int8_residual = False
+
     def __call__(self, x, other=None):
+        if other is not None and other.dtype == torch.int8 and not self.takes_int8_residual:
+            raise TypeError(f"{self.kind} on {self.family}: an int8 residual is for cpu_opt's oneDNN family only "
+                            "(the int8 graph pass writes one only where every reader is on it)")
         if _is_fake(x):  # shape propagation: an empty tensor of the output's shape and dtype
             return x.new_empty(self.out_shape(tuple(x.shape)),
                                dtype=torch.uint8 if self.out_qparams is not None else torch.float32)

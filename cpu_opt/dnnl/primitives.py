@@ -951,6 +951,66 @@ class MaxPool2d(_Bound):
         return comp
 
 
+class Eltwise(_Bound):
+    """An elementwise op (a :data:`ELTWISE` name: ``gelu_tanh``, ``gelu_erf``, ``silu`` ...) as a oneDNN
+    eltwise primitive compiled for one shape, dense layout and dtype (f32 or bf16), the output in the
+    input's layout. Called like any bound primitive (:class:`_Bound`); ``out`` may be the input
+    itself (oneDNN's eltwise runs in place)."""
+
+    what = "eltwise"
+
+    def __init__(self, kind: str, shape, dtype: torch.dtype, strides=None):
+        if kind not in ELTWISE or kind == "linear":
+            raise ValueError(f"unknown eltwise op {kind!r}; expected one of {sorted(set(ELTWISE) - {'linear'})}")
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"eltwise runs f32 or bf16, got {dtype}")
+        shape = tuple(int(v) for v in shape)
+        strides = tuple(strides) if strides is not None else torch.empty(shape, device="meta").stride()
+        self.kind = kind
+        key = ("eltwise", kind, shape, strides, str(dtype))
+        comp = None
+        if 0 not in shape:
+            comp = CACHE.get_or_create(key, lambda: self._create(shape, strides, dtype))
+        self._bind(comp, {}, shape, strides, dtype, shape, strides, dtype, torch.contiguous_format, False, None,
+                   len(shape))
+        self._strides = strides
+
+    def _create(self, shape, strides, dtype) -> Compiled:
+        l, f = L.lib(), L.ffi()
+        md = MemoryDesc.strided(shape, dtype, strides)
+        alg, a, b = ELTWISE[self.kind]
+        pd = f.new("dnnl_primitive_desc_t *")
+        what = f"eltwise {self.kind} {shape} {dtype}"
+        attr = _Attr()
+        L.check(l.dnnl_eltwise_forward_primitive_desc_create(pd, L.engine(), l.dnnl_forward_inference, getattr(l, alg),
+                                                            md.handle, md.handle, a, b, attr.handle),
+                "dnnl_eltwise_forward_primitive_desc_create", what)
+        comp = Compiled(pd[0], what)
+        comp.bind([(l.DNNL_ARG_SRC, md), (l.DNNL_ARG_DST, md)])
+        comp._attr = attr
+        return comp
+
+    def __call__(self, src: torch.Tensor, out: torch.Tensor | None = None, binary=None) -> torch.Tensor:
+        if out is None and not self.empty:
+            out = torch.empty_strided(self.out_shape, self._strides, dtype=self.dst_dtype)
+        if out is src and not self.empty:   # in place: the shared checks would refuse the overlap
+            if src.shape != self.src_shape or not _same_strides(src, self.src_strides) or \
+                    src.dtype != self.src_dtype or src.device.type != "cpu" or src.layout != torch.strided:
+                raise ValueError(f"this eltwise is bound to {self.src_dtype} input of shape {self.src_shape} with "
+                                 f"strides {self.src_strides}")
+            lib, ptr = L.lib(), L.ffi().cast
+            mems, args = self._slots.get()
+            h = ptr("void *", src.data_ptr())
+            L.check(lib.dnnl_memory_set_data_handle(mems[self._src_arg], h), "dnnl_memory_set_data_handle")
+            L.check(lib.dnnl_memory_set_data_handle(mems[self._dst_arg], h), "dnnl_memory_set_data_handle")
+            stream = L.stream()
+            L.check(lib.dnnl_primitive_execute(self._comp.prim, stream, len(args), args), "dnnl_primitive_execute",
+                    self._comp.what)
+            L.check(lib.dnnl_stream_wait(stream), "dnnl_stream_wait", self._comp.what)
+            return src
+        return super().__call__(src, out, binary)
+
+
 def _same_strides(t: torch.Tensor, strides) -> bool:
     """Does ``t`` lie in memory as ``strides`` say (of the same shape)? Strides of size-1 dimensions
     address nothing and may differ (torch gives a channels-last 1x1 map either (C, 1, C, C) or

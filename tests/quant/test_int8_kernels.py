@@ -500,3 +500,39 @@ def test_linear_residual_add(family, post_op, other_dtype, chained):
         k.other_qparams = None
         with pytest.raises(RuntimeError, match="uint8 residual"):
             k(x, other)
+
+
+@pytest.mark.parametrize("other_dtype", ["fp32", "uint8", "int8"])
+@pytest.mark.parametrize("post_op", [None, "relu", "silu"], ids=str)
+@pytest.mark.parametrize("family", CONV_FAMILIES)
+def test_conv_residual_add_into_uint8(family, post_op, other_dtype):
+    """conv + residual (+ activation) written as uint8 for the next int8 layer, the residual fp32,
+    uint8 (asymmetric) or int8 (symmetric, as cpu_opt's oneDNN writes a shortcut read only as a
+    residual): within one output step. cpu_opt's oneDNN folds an integer residual's scale into the
+    input scale, bias and output scale where the activation is ReLU or none."""
+    wq, ws, b, x, u, raw, conv = _conv_case("3x3", True, seed=71)
+    if other_dtype == "int8":
+        qp = (OS, 0)
+        g = torch.Generator().manual_seed(76)
+        other = torch.randint(-120, 121, tuple(raw.shape), generator=g, dtype=torch.int32).to(torch.int8)
+        other_f = other.double() * OS
+    else:
+        qp = (OS, OZ)
+        of, ou = grid_input(tuple(raw.shape), OS, OZ, 76, qmax=255)
+        other, other_f = (of if other_dtype == "fp32" else ou), of.double()
+    ref = REF_POST[post_op](raw + other_f)
+    out_qp = _chain_qparams(ref)
+    k = _conv_kernel(family, wq, ws, b, conv, x.shape, post_op=post_op, out_qparams=out_qp)
+    k.other_qparams = qp
+    k.raw_qparams = minmax_qparams(raw)
+    k.own_out_qparams = out_qp
+    if other_dtype == "int8" and family != "onednn":
+        with pytest.raises(TypeError, match="int8 residual is for cpu_opt's oneDNN"):
+            k(x, other)      # the graph pass writes int8 residuals only for cpu_opt's oneDNN layers
+        return
+    y = k(x, other)
+    if family == "fbgemm" and post_op == "silu":
+        bound = 0.57 * k.raw_qparams[0] + out_qp[0]
+        assert (dequant_u8(y, *out_qp) - ref).abs().max().item() <= bound * 1.0001
+    else:
+        _u8_within_one_step(y, ref, out_qp)

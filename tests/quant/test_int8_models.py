@@ -229,7 +229,7 @@ def test_optimize_path_accuracy_and_kernels(name, results):
         assert set(li) >= {"layer", "node", "kind", "family", "why", "post_op", "residual_add", "smoothquant",
                            "in", "out"}
         assert li["family"] in FAMILIES and li["why"]
-        assert li["in"] in ("fp32", "uint8 (chained)") and li["out"] in ("fp32", "uint8 (chained)")
+        assert li["in"] in ("fp32", "uint8 (chained)") and li["out"] in ("fp32", "uint8 (chained)", "int8 (residual)")
         assert li["smoothquant"] is (r.kind == "transformer")   # the transformer preset's SmoothQuant
     calls = sum(r.opt_calls.values())
     assert calls == len(int8), (r.opt_calls, len(int8))

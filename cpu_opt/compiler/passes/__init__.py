@@ -10,6 +10,8 @@ Each pass takes a GraphModule, rewrites it in place and returns a short log of w
 * :func:`fold_constants` — nodes computed only from parameters/buffers are computed once
 * :func:`fold_linear_scale` — a constant per-output-channel scale after a linear layer (layer
   scale) becomes part of its weight and bias
+* :func:`tanh_gelu` — the tanh GELU written out op by op (GPT-2) becomes one ``aten.gelu``
+* :func:`residual_add_after_view` — a residual add after a GEMM's view moves before the view
 * :func:`cast_params` — floating parameters and buffers converted once (bf16)
 * :func:`route_linears` — GEMMs on constant weights whose route is ``torch_onednn`` become calls to
   torch's own oneDNN (``torch.ops.mkldnn._linear_pointwise``); with ``measure=True`` each weight
@@ -18,7 +20,8 @@ Each pass takes a GraphModule, rewrites it in place and returns a short log of w
 * :func:`route_gelu` — the exact GELU after a linear layer outside oneDNN Graph to cpu_opt's
   vectorized kernel
 
-Files, one per pass family: ``cleanup.py``, ``fold.py``, ``linear.py``, ``attention.py``, ``eltwise.py``; ``fx.py``
+Files, one per pass family: ``cleanup.py``, ``canonical.py``, ``fold.py``, ``linear.py``, ``attention.py``,
+``eltwise.py``; ``fx.py``
 holds the FX helpers they share (constants of the graph, aliasing).
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import torch.fx
 
 from .attention import route_attention
+from .canonical import residual_add_after_view, tanh_gelu
 from .cleanup import drop_dropout, remove_noops
 from .eltwise import route_gelu
 from .fold import cast_params, fold_batchnorm, fold_constants, fold_linear_scale
@@ -35,9 +39,10 @@ from .linear import linear_operands, measure_linear, route_linears
 __all__ = ["DEFAULT_PASSES", "cast_params", "drop_dropout", "fold_batchnorm", "fold_constants", "fold_linear_scale",
            "linear_operands",
            "measure_linear", "mutated_state", "remove_noops", "route_attention", "route_gelu", "route_linears", "run_passes",
-           "storage_root", "writes_in_place"]
+           "residual_add_after_view", "storage_root", "tanh_gelu", "writes_in_place"]
 
-DEFAULT_PASSES = (drop_dropout, remove_noops, fold_batchnorm, fold_constants, fold_linear_scale)
+DEFAULT_PASSES = (drop_dropout, remove_noops, fold_batchnorm, fold_constants, fold_linear_scale, tanh_gelu,
+                  residual_add_after_view)
 
 
 def run_passes(gm: torch.fx.GraphModule, passes=DEFAULT_PASSES) -> list[str]:

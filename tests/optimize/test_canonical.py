@@ -1,0 +1,132 @@
+"""Canonical forms (passes/canonical.py) and the tanh GELU on cpu_opt's oneDNN eltwise primitive
+(passes.route_gelu, backends/onednn_primitives.OnednnEltwise): exact rewrites, checked against eager,
+on hand-written modules and on Hugging Face GPT-2 (whose NewGELU and Conv1D they are for)."""
+import math
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import cpu_opt
+import optimize_testutil
+from cpu_opt.backends.onednn_primitives import OnednnEltwise
+from cpu_opt.compiler import passes
+from cpu_opt.compiler.capture import capture
+
+aten = torch.ops.aten
+
+
+class NewGELU(nn.Module):
+    """GPT-2's activation, written out as transformers writes it; ``variant`` reorders operands."""
+
+    def __init__(self, variant=0):
+        super().__init__()
+        self.variant = variant
+
+    def forward(self, x):
+        c = math.sqrt(2.0 / math.pi)
+        if self.variant == 0:
+            return 0.5 * x * (1.0 + torch.tanh(c * (x + 0.044715 * torch.pow(x, 3.0))))
+        return (1.0 + torch.tanh((0.044715 * torch.pow(x, 3.0) + x) * c)) * (x * 0.5)
+
+
+class Conv1DBlock(nn.Module):
+    """GPT-2's MLP: addmm on 2-D views of the activations (Conv1D), viewed back to 3-D, the NewGELU,
+    the projection, and the residual add after the view."""
+
+    def __init__(self, d=32, h=96, variant=0):
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(d, h) / 6), nn.Parameter(torch.randn(h))
+        self.w2, self.b2 = nn.Parameter(torch.randn(h, d) / 10), nn.Parameter(torch.randn(d))
+        self.act = NewGELU(variant)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = torch.addmm(self.b1, x.view(-1, d), self.w1).view(b, s, -1)
+        h = self.act(h)
+        y = torch.addmm(self.b2, h.view(-1, h.shape[-1]), self.w2).view(b, s, d)
+        return y + x
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("variant", [0, 1])
+def test_written_out_tanh_gelu_becomes_one_gelu_and_residual_add_follows_the_gemm(variant):
+    m = Conv1DBlock(variant=variant).eval()
+    x = torch.randn(2, 8, 32)
+    gm = capture(m, x).gm
+    log = passes.run_passes(gm)
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    gelus = [n for n in gm.graph.nodes if n.target == aten.gelu.default]
+    assert len(gelus) == 1 and gelus[0].kwargs == {"approximate": "tanh"}
+    assert aten.tanh.default not in ops and aten.pow.Tensor_Scalar not in ops
+    adds = [n for n in gm.graph.nodes if n.target == aten.add.Tensor]
+    assert len(adds) == 1 and adds[0].args[0].target == aten.addmm.default     # the add right after the GEMM
+    assert any("tanh GELU" in line for line in log) and any("residual add" in line for line in log)
+    with torch.no_grad():
+        assert _rel(gm(x)[0], m(x)) < 1e-5
+
+
+def test_a_tanh_like_chain_with_other_constants_is_left_alone():
+    class Almost(nn.Module):
+        def forward(self, x):
+            return 0.5 * x * (1.0 + torch.tanh(0.7 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+    gm = capture(Almost(), torch.randn(4, 8)).gm
+    passes.run_passes(gm)
+    assert not any(n.target == aten.gelu.default for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_tanh_gelu_runs_on_the_onednn_eltwise_primitive(dtype):
+    m = Conv1DBlock().eval()
+    x = torch.randn(2, 16, 32)
+    opt = cpu_opt.optimize(m, x, dtype=dtype)
+    with torch.no_grad():
+        ref = m(x)
+        y = opt(x)
+    assert _rel(y, ref) < (1e-5 if dtype == "fp32" else 2e-2)
+    prog = next(iter(opt._plans.values())).program
+    elt = [n.target for n in prog.graph.nodes if isinstance(n.target, OnednnEltwise)]
+    from cpu_opt.compiler.passes.eltwise import _eltwise_runs
+
+    runs = _eltwise_runs(torch.float32 if dtype == "fp32" else torch.bfloat16)   # bf16 needs avx512_core
+    if optimize_testutil.onednn_graph_used(dtype) and runs:
+        assert len(elt) == 1 and elt[0].kind == "gelu_tanh"
+        assert elt[0].in_place                     # the GEMM's fresh output, read by nothing else
+    y2 = opt(torch.randn(2, 16, 32))
+    assert _rel(y, ref) < (1e-5 if dtype == "fp32" else 2e-2)    # the first answer is untouched
+    del y2
+
+
+class ReadTwice(nn.Module):
+    def forward(self, x):
+        h = x * 2.0
+        return torch.nn.functional.gelu(h, approximate="tanh"), h[:, :3]
+
+
+def test_tanh_gelu_is_not_in_place_where_its_input_is_read_again():
+    m = ReadTwice().eval()
+    x = torch.randn(4, 8)
+    opt = cpu_opt.optimize(m, x, dtype="fp32")
+    g, h = opt(x)
+    rg, rh = m(x)
+    assert _rel(g, rg) < 1e-5 and torch.equal(h, rh)
+    prog = next(iter(opt._plans.values())).program
+    assert not any(isinstance(n.target, OnednnEltwise) and n.target.in_place for n in prog.graph.nodes)
+
+
+def test_hf_gpt2_newgelu_and_conv1d_residuals_are_canonicalized():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=200, use_cache=False)
+    torch.manual_seed(0)
+    m = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 200, (1, 24))
+    opt = cpu_opt.optimize(m, {"input_ids": ids}, dtype="fp32")
+    log = " ".join(opt.report()["passes"])
+    assert "2 tanh GELU(s)" in log, log
+    assert "residual add(s) moved" in log, log
+    with torch.no_grad():
+        assert _rel(opt(input_ids=ids).logits, m(input_ids=ids).logits) < 1e-4
