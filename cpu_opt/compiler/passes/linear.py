@@ -85,6 +85,18 @@ def measure_linear(m: int, k: int, n: int, bias: bool, repeats: int = 7) -> dict
     return res
 
 
+def _swap(gm: torch.fx.GraphModule, n: torch.fx.Node, target, args, route: str, why: str) -> None:
+    """Replace linear node ``n`` by ``target(*args)`` on ``route``, under ``n``'s name (the report names
+    the layer as the captured graph did)."""
+    with gm.graph.inserting_before(n):
+        new = gm.graph.call_function(target, args)
+    new.meta = dict(n.meta)
+    new.meta["cpu_opt_route"] = (route, why)
+    name = n.name
+    replace_node(n, new)
+    new._rename(name)
+
+
 def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -> list[str]:
     """Give every GEMM on constant weights its own route (``routing.route("linear", dtype,
     rows=...)``: this machine's measured profile for the layer's row class, else the table), or,
@@ -123,26 +135,14 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
         if backend == "native" and (dtype != "fp32" or not native.vectorized()):
             backend, why = "torch", f"cpu_opt's GEMV runs fp32 on its vector kernels only; {why}"
         if backend == "native":
-            with gm.graph.inserting_before(n):
-                new = gm.graph.call_function(native_linear.Gemv(kn), (x, w, b))
-            new.meta = dict(n.meta)
-            new.meta["cpu_opt_route"] = ("native", why)
-            name = n.name
-            replace_node(n, new)
-            new._rename(name)
+            _swap(gm, n, native_linear.Gemv(kn), (x, w, b), "native", why)
             gemv += 1
             continue
         if backend == "mkl":
             packed = mkl.packed_weight(w_nk, rows)   # an mkldnn-layout tensor: described by a plain one
             w_node = add_constant(gm, packed, n, "linear_mkl_packed", meta_like=torch.empty(packed.shape, device="meta"))
             w_orig = w if not kn else add_constant(gm, w_nk.detach().contiguous(), n, "linear_weight_nk")
-            with gm.graph.inserting_before(n):
-                new = gm.graph.call_function(mkl.MKL_LINEAR, (x, w_node, w_orig, b, rows))
-            new.meta = dict(n.meta)
-            new.meta["cpu_opt_route"] = ("mkl", why)
-            name = n.name
-            replace_node(n, new)
-            new._rename(name)
+            _swap(gm, n, mkl.MKL_LINEAR, (x, w_node, w_orig, b, rows), "mkl", why)
             mkl_moved += 1
             continue
         if backend not in ("torch_onednn", "torch"):
@@ -157,13 +157,7 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
         # frozen graphs do: 3-7% faster per call than handing it the (N, K) weights (128x768x3072:
         # 7.46 vs 7.67 ms; 2048x768x3072: 74.8 vs 80.4; Zen 3, interleaved medians)
         w_node = add_constant(gm, packed_linear_weight(w_nk, rows), n, "linear_packed", meta_like=w_nk)
-        with gm.graph.inserting_before(n):
-            new = gm.graph.call_function(TORCH_LINEAR, (x, w_node, b, "none", [], ""))
-        new.meta = dict(n.meta)
-        new.meta["cpu_opt_route"] = ("torch_onednn", why)
-        name = n.name
-        replace_node(n, new)
-        new._rename(name)  # the report names the layer as the captured graph did
+        _swap(gm, n, TORCH_LINEAR, (x, w_node, b, "none", [], ""), "torch_onednn", why)
         moved += 1
     if not moved and not in_torch and not gemv and not mkl_moved:
         return []
