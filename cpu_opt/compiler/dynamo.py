@@ -87,6 +87,9 @@ class DynamoModule(torch.nn.Module):
         options = {"dtype": dtype, "validate": validate}
         if max_shapes is not None:
             options["max_shapes"] = max_shapes
+        self._options = options
+        self._gen_forward = None    # generate(): the model's forward under the same backend, made on first use
+        self._gen_lock = threading.Lock()
         # not a submodule: the compiled wrapper holds ``model`` itself, which is registered once above
         object.__setattr__(self, "_compiled", torch.compile(model, backend=make_backend(self._graphs, self._lock,
                                                                                         **options)))
@@ -131,6 +134,36 @@ class DynamoModule(torch.nn.Module):
                 return self._compiled(*args, **kwargs)
         finally:
             self.model.train(was)
+
+    def generate(self, *args, **kwargs):
+        """The model's own ``generate`` (Hugging Face ``GenerationMixin``) with every forward call it
+        makes going through the dynamo-captured, optimized pieces: for the duration of the call the
+        model's ``forward`` is a ``torch.compile`` of it with cpu_opt's backend (made on first use,
+        its pieces validated against eager as ``optimize``'s are, and listed in :meth:`report`).
+        Under ``torch.no_grad()`` and in eval mode; one generate at a time per module."""
+        gen = getattr(self.model, "generate", None)
+        if not callable(gen):
+            raise AttributeError(f"{type(self.model).__name__} has no generate(); call the module itself")
+        model = self.model
+        with self._gen_lock:
+            if self._use_eager:
+                fwd = None
+            elif self._gen_forward is None:
+                fwd = self._gen_forward = torch.compile(model.forward, backend=make_backend(self._graphs, self._lock,
+                                                                                            **self._options))
+            else:
+                fwd = self._gen_forward
+            was = model.training
+            model.eval()
+            if fwd is not None:
+                model.forward = fwd          # an instance attribute: found before the class's forward
+            try:
+                with torch.no_grad():
+                    return gen(*args, **kwargs)
+            finally:
+                if fwd is not None:
+                    del model.forward        # the class's forward again
+                model.train(was)
 
     def report(self) -> dict:
         with self._lock:

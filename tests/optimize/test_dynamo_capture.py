@@ -162,3 +162,41 @@ def test_a_transformers_model_behind_a_data_dependent_branch(partition_calls):
     assert r["graph_breaks"] and all(g["error"] is None for g in r["graphs"])
     if onednn_graph_used():
         assert r["graphs"][0]["num_partitions"] > 0  # the encoder, before the branch, was optimized
+
+
+def test_generate_of_a_causal_lm_only_dynamo_can_capture(partition_calls):
+    """A GPT-2 whose forward has a data-dependent check (export refuses it) comes back as a
+    DynamoModule; its generate() runs Hugging Face's own loop with every forward through the
+    optimized pieces and gives eager's tokens (greedy, with its KV cache)."""
+    import transformers
+
+    class Checked(transformers.GPT2LMHeadModel):
+        def forward(self, input_ids=None, **kw):
+            if bool((input_ids < 0).any()):   # data-dependent: torch.export cannot take it
+                raise ValueError("negative token id")
+            return super().forward(input_ids=input_ids, **kw)
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    m = Checked(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(2.0)          # random weights that do not decode one token over and over
+    prompt = torch.randint(1, 300, (1, 10))
+    opt = cpu_opt.optimize(m, {"input_ids": prompt}, dtype="fp32")
+    assert isinstance(opt, DynamoModule)
+    kw = dict(max_new_tokens=8, do_sample=False)
+    with torch.no_grad():
+        ref = m.generate(prompt, **kw)
+    n_graphs = len(opt.report()["graphs"])
+    partition_calls.clear()
+    out = opt.generate(prompt, **kw)
+    assert torch.equal(out, ref)
+    assert type(m).forward is Checked.forward and "forward" not in m.__dict__   # put back
+    r = opt.report()
+    assert len(r["graphs"]) > n_graphs                   # generate's forward pieces, captured and listed
+    if onednn_graph_used():
+        assert len(partition_calls) > 0                   # they ran on the oneDNN plans
+    with pytest.raises(AttributeError, match="has no generate"):
+        cpu_opt.optimize(Branchy().eval(), torch.randn(6, 16), dtype="fp32").generate(torch.ones(1))
