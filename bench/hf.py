@@ -256,6 +256,7 @@ def main(quick: bool = False, argv=None) -> None:
     ap.add_argument("--bf16", action="store_true", help="the bf16 comparison (results in hf_bf16_<cpu>.json; for CPUs "
                                                         "with native bf16: AVX512_BF16 or AMX)")
     ap.add_argument("--batch", type=int, default=1, help="batch size of every model's input (default 1)")
+    ap.add_argument("--tag", default="", help="a suffix for the result files (a partial re-run beside the full table)")
     ap.add_argument("--rounds", type=int, default=2 if quick else 3)
     ap.add_argument("--repeats", type=int, default=5 if quick else 10)
     ap.add_argument("--worker", nargs=2, metavar=("IMPL", "MODEL"), help=argparse.SUPPRESS)
@@ -274,7 +275,8 @@ def main(quick: bool = False, argv=None) -> None:
         raise SystemExit(f"python -m bench hf: --batch must be >= 1, got {args.batch}")
     # one file per CPU (and batch): the tables measured on other machines stay beside it
     stem = ("hf" if kind == "fp32" else f"hf_{kind}") + (f"_b{args.batch}" if args.batch != 1 else "")
-    rep = Report(f"{stem}_{machine_slug()}" + ("_quick" if quick else ""), rounds=args.rounds,
+    rep = Report(f"{stem}_{machine_slug()}" + (f"_{args.tag}" if args.tag else "") + ("_quick" if quick else ""),
+                 rounds=args.rounds,
                  repeats=args.repeats, batch=args.batch,
                  protocol="each implementation in its own process, alternating rounds; median of process medians")
     results: dict = {}
