@@ -175,6 +175,7 @@ def test_mkl_route_is_for_big_fp32_gemms_on_intel_avx512():
     GEMVs on their own rules, AMD's AVX-512 (MKL picks kernels by vendor) on oneDNN, bf16 never."""
     spr = hw.build_info((FIX / "intel_sapphirerapids.txt").read_text())
     assert routing.route("linear", "fp32", spr, rows=128, macs=128 * 768 * 3072).backend == "mkl"
+    assert routing.route("linear", "fp32", spr, rows=1, macs=4096 * 4096).backend == "torch"   # a GEMV: addmm
     assert routing.route("linear", "fp32", spr, rows=64, macs=64 * 128 * 512).backend != "mkl"
     assert routing.route("linear", "bf16", spr, rows=128, macs=128 * 768 * 3072).backend == "onednn"
     z5 = hw.build_info((FIX / "amd_zen5.txt").read_text())
