@@ -20,7 +20,8 @@ wheels for torch 2.13, they build from source (``pip install --no-build-isolatio
 torch-sparse``, 7-15 min of both cores each), so they are not dependencies of cpu_opt.
 
 Graphs: 100k nodes, 1M edges, 64 features (``--quick``: 20k nodes, 200k edges), uniform and R-MAT
-power-law (gnn/rmat.py, seeded). Writes bench/results/gnn.json and gnn_kernels.png / gnn_training.png.
+power-law (gnn/rmat.py, seeded). Writes bench/results/gnn_<cpu>.json and gnn_kernels_<cpu>.png /
+gnn_training_<cpu>.png (<cpu>: bench.runner.machine_slug(), e.g. zen_3), so runs on other CPUs stay.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import time
 
 import torch
 
-from bench.runner import RESULTS_DIR, Report, bar_chart, measure, memory_bandwidth_gbs
+from bench.runner import RESULTS_DIR, Report, bar_chart, machine_slug, measure, memory_bandwidth_gbs
 
 
 def _graphs(n, e, seed=0):
@@ -289,7 +290,7 @@ def _charts(rep: Report, threads: int):
     trows = [r for r in rep.rows if r["kind"] == "training" and r["threads"] == threads]
     if trows:
         labels = [f"{r['op']} ({r['graph']})" for r in trows]
-        bar_chart(RESULTS_DIR / "gnn_training.png", labels,
+        bar_chart(RESULTS_DIR / f"gnn_training_{machine_slug()}.png", labels,
                   {"vs PyG edge_index": [r["speedup_vs_edge_index"] for r in trows],
                    "vs PyG torch-CSR adj_t": [r["speedup_vs_csr"] for r in trows]},
                   ylabel="epoch speedup (x)", title=f"PyG training epoch, cpu_opt vs PyG, {threads} threads",
@@ -302,7 +303,7 @@ def _kernel_chart(rows, threads: int):
     for gname in ("uniform", "powerlaw"):
         d = {f"{r['op']} {r['mode']}": r["speedup"] for r in rows if r["graph"] == gname}
         series[gname] = [d.get(lab, 0.0) for lab in labels]
-    bar_chart(RESULTS_DIR / "gnn_kernels.png", labels, series, ylabel="speedup over stock torch (x)",
+    bar_chart(RESULTS_DIR / f"gnn_kernels_{machine_slug()}.png", labels, series, ylabel="speedup over stock torch (x)",
               title=f"cpu_opt.gnn kernels vs torch, {threads} threads (100k nodes, 1M edges, F=64)", log=True,
               lines={"target: spmm fwd+bwd 2x": 2.0, "target: spmm max/min fwd+bwd 3x": 3.0})
 
@@ -375,7 +376,7 @@ def main(quick: bool = False, argv=None):
     if t:
         Report.print_table(_subset(rep, t), ["graph", "threads", "op", "cpu_opt_ms", "pyg_edge_index_ms",
                                              "pyg_csr_ms", "speedup_vs_edge_index", "speedup_vs_csr"])
-    rep.save()
+    rep.save(RESULTS_DIR / f"{rep.name}_{machine_slug()}.json")  # one file per CPU
     if not quick and not args.pyg_extensions and not args.gather_ceiling:
         _charts(rep, max(threads))
     return rep

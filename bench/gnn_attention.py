@@ -16,7 +16,7 @@ ELU), a wide GAT (heads 8 x 32), GATv2 and TransformerConv in the same shape as 
 and the classic GAT without dropout (torch's ``bernoulli_`` is serial on this CPU: the dropout
 masks are a fixed cost of both paths, drawn the same way by both). Before timing, each model's
 first forward (eval) and loss gradient are compared between ``pyg`` and ``cpu_opt``.
-Writes bench/results/gnn_attention.json and gnn_attention.png.
+Writes bench/results/gnn_attention_<cpu>.json and gnn_attention_<cpu>.png (<cpu>: machine_slug()).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.gnn import adam_step
-from bench.runner import RESULTS_DIR, Report, bar_chart, measure
+from bench.runner import RESULTS_DIR, Report, bar_chart, machine_slug, measure
 
 
 def _models(f_in: int, classes: int) -> dict:
@@ -127,11 +127,11 @@ def main(quick: bool = False, argv=None):
     rep.meta["wall_s"] = round(time.time() - t0, 1)
     rep.print_table(["model", "threads", "pyg_ms", "cpu_opt_ms", "cpu_opt_unfused_ms", "speedup",
                      "max_abs_diff_out", "max_abs_diff_grad", "fused_calls"])
-    rep.save()
+    rep.save(RESULTS_DIR / f"{rep.name}_{machine_slug()}.json")  # one file per CPU
     if not quick:
         top = max(threads)
         rows = [r for r in rep.rows if r["threads"] == top]
-        bar_chart(RESULTS_DIR / "gnn_attention.png", [r["model"] for r in rows],
+        bar_chart(RESULTS_DIR / f"gnn_attention_{machine_slug()}.png", [r["model"] for r in rows],
                   {"cpu_opt vs PyG": [r["speedup"] for r in rows],
                    "cpu_opt unfused vs PyG": [r["pyg_ms"] / r["cpu_opt_unfused_ms"] for r in rows]},
                   ylabel="train step speedup (x)", title=f"Attention GNN train step, cpu_opt vs PyG 2.8, {top} threads",

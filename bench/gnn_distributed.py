@@ -20,7 +20,7 @@ tensor the size of the gradients, which is what DDP adds per step. The load aver
 after each run goes into the JSON: on a VM whose 2 vCPUs are shared, other jobs change the result.
 
 ``--quick``: the 100k-node graph (1M edges), 3 warm-up and 10 timed steps, 1 round. Writes
-bench/results/gnn_distributed.json (gnn_distributed_quick.json with --quick).
+bench/results/gnn_distributed_<cpu>.json (gnn_distributed_quick_<cpu>.json with --quick).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from bench.runner import Report
+from bench.runner import RESULTS_DIR, Report, machine_slug
 
 ROOT = Path(__file__).resolve().parent.parent
 FEATURES, HIDDEN, CLASSES = 64, 128, 16
@@ -146,7 +146,7 @@ def main(quick: bool = False, argv=None):
     rep.meta["load_avg_at_end"] = _loadavg()
     rep.print_table(["procs", "ms_per_step", "sample_ms_per_step", "epoch_steps_per_rank", "projected_epoch_s",
                      "seeds_per_s", "speedup_vs_1proc", "allreduce_ms", "runs_ms_per_step"])
-    rep.save()
+    rep.save(RESULTS_DIR / f"{rep.name}_{machine_slug()}.json")  # one file per CPU
     return rep
 
 

@@ -13,8 +13,8 @@ map for relabelling) -- what one writes without pyg-lib. torch-sparse's sampler 
 torch_sparse is importable: it has no wheel for torch 2.13 and builds from source in about 15
 minutes (``pip install --no-build-isolation torch-sparse``), so it is not a dependency.
 
-``--quick``: a 100k-node graph (1M edges), 2 batches. Writes bench/results/gnn_sampling.json
-(gnn_sampling_quick.json with --quick).
+``--quick``: a 100k-node graph (1M edges), 2 batches. Writes bench/results/gnn_sampling_<cpu>.json
+(gnn_sampling_quick_<cpu>.json with --quick).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.runner import Report, measure
+from bench.runner import RESULTS_DIR, Report, machine_slug, measure
 
 
 def power_law_csc(n: int, e: int, seed: int = 0):
@@ -168,7 +168,7 @@ def main(quick: bool = False, argv=None):
     rep.meta["wall_s"] = round(time.time() - t0, 1)
     rep.meta["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     rep.print_table(["impl", "threads", "ms_per_batch", "nodes_per_batch", "mnodes_per_s", "speedup_vs_torch"])
-    rep.save()
+    rep.save(RESULTS_DIR / f"{rep.name}_{machine_slug()}.json")  # one file per CPU
     return rep
 
 
