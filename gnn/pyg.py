@@ -401,12 +401,42 @@ class _NativeLinearSum(torch.autograd.Function):
                 ga2, gw2, gb if n[5] and ctx.biases[1] else None)
 
 
-def _native_sum_fits(a1, w1, a2, w2) -> bool:
-    return (_linear_on.get() and _native_linear_route() and not torch.compiler.is_compiling()
+class _TorchLinearSum(torch.autograd.Function):
+    """:class:`_NativeLinearSum` on torch's GEMMs, where the tall-skinny kernels are not the route
+    (AVX-512 CPUs: MKL's GEMMs run these shapes as fast, 100k x 64 x 64 in 3.6 ms on 2 cores):
+    the second product accumulates into the first's output (``addmm_``, beta = 1: no separate
+    add pass over a 100k-row tensor, no second output), one column sum of ``g`` for both biases."""
+
+    @staticmethod
+    def forward(ctx, a1, w1, b1, a2, w2, b2):
+        ctx.save_for_backward(a1, w1, a2, w2)
+        ctx.biases = (b1 is not None, b2 is not None)
+        bias = b1 if b2 is None else (b2 if b1 is None else b1 + b2)
+        out = a2.mm(w2.t()) if bias is None else torch.addmm(bias, a2, w2.t())
+        return out.addmm_(a1, w1.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        a1, w1, a2, w2 = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        need_b = (n[2] and ctx.biases[0]) or (n[5] and ctx.biases[1])
+        gb = g.sum(0) if need_b else None
+        return (g.mm(w1) if n[0] else None, g.t().mm(a1) if n[1] else None, gb if n[2] and ctx.biases[0] else None,
+                g.mm(w2) if n[3] else None, g.t().mm(a2) if n[4] else None, gb if n[5] and ctx.biases[1] else None)
+
+
+def _sum_fits(a1, w1, a2, w2) -> bool:
+    """Whether ``F.linear(a1, w1, b1) + F.linear(a2, w2, b2)`` can run as one output (2-D float32
+    CPU tensors of matching shapes, at least ONEDNN_LINEAR_MIN_ROWS rows, not while compiling)."""
+    return (_linear_on.get() and not torch.compiler.is_compiling()
             and all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype == torch.float32 and t.device.type == "cpu"
                     for t in (a1, w1, a2, w2))
             and a1.shape[0] == a2.shape[0] and a1.shape[0] >= ONEDNN_LINEAR_MIN_ROWS
-            and w1.shape[0] == w2.shape[0] and w1.shape[1] == a1.shape[1] and w2.shape[1] == a2.shape[1]
+            and w1.shape[0] == w2.shape[0] and w1.shape[1] == a1.shape[1] and w2.shape[1] == a2.shape[1])
+
+
+def _native_sum_fits(a1, w1, a2, w2) -> bool:
+    return (_native_linear_route() and _sum_fits(a1, w1, a2, w2)
             and max(w1.shape[1], w2.shape[1], w1.shape[0]) <= NATIVE_LINEAR_MAX_K)
 
 
@@ -417,10 +447,15 @@ def _sage_forward_fused_root(self, x, edge_index, size=None):
         x = (x, x)
     out = self.propagate(edge_index, x=x, size=size)
     x_r = x[1]
-    if self.root_weight and x_r is not None and _native_sum_fits(out, self.lin_l.weight, x_r, self.lin_r.weight):
+    if self.root_weight and x_r is not None and _sum_fits(out, self.lin_l.weight, x_r, self.lin_r.weight):
         b = [getattr(self.lin_l, "bias", None), getattr(self.lin_r, "bias", None)]
-        _counts["linear: cpu_opt tall-skinny GEMM (lin_l + lin_r in one output)"] += 1
-        out = _NativeLinearSum.apply(out.contiguous(), self.lin_l.weight, b[0], x_r.contiguous(), self.lin_r.weight, b[1])
+        if _native_sum_fits(out, self.lin_l.weight, x_r, self.lin_r.weight):
+            _counts["linear: cpu_opt tall-skinny GEMM (lin_l + lin_r in one output)"] += 1
+            fn = _NativeLinearSum
+        else:
+            _counts["linear: torch GEMMs, lin_r accumulated into lin_l's output"] += 1
+            fn = _TorchLinearSum
+        out = fn.apply(out.contiguous(), self.lin_l.weight, b[0], x_r.contiguous(), self.lin_r.weight, b[1])
     else:
         out = self.lin_l(out)
         if self.root_weight and x_r is not None:
@@ -430,13 +465,17 @@ def _sage_forward_fused_root(self, x, edge_index, size=None):
     return out
 
 
+def _fused_root_what() -> str:
+    return ("lin_l(aggr) + lin_r(x) as one tall-skinny GEMM output" if _native_linear_route() else
+            "lin_l(aggr) + lin_r(x) as one output (torch GEMMs, the second accumulated into the first)")
+
+
 def fused_root_layers(model: torch.nn.Module, linear_first: dict) -> dict:
     """``{module: forward}`` for the SAGEConv layers (not applying their linear map first, no
-    ``project``) whose ``lin_l(aggr) + lin_r(x)`` can run as one GEMM output (:class:`_NativeLinearSum`)."""
+    ``project``) whose ``lin_l(aggr) + lin_r(x)`` can run as one output: :class:`_NativeLinearSum`
+    on the tall-skinny route, :class:`_TorchLinearSum` elsewhere."""
     from torch_geometric.nn import SAGEConv
 
-    if not _native_linear_route():
-        return {}
     return {m: _sage_forward_fused_root for m in model.modules()
             if type(m) is SAGEConv and m not in linear_first and not m.project and m.root_weight
             and "forward" not in m.__dict__}
@@ -888,7 +927,7 @@ class OptimizedGNN(torch.nn.Module):
             self._notes["Linear layers on torch's oneDNN where float32 (routing: linear fp32 -> torch_onednn)"] = len(linears)
         fused_root = fused_root_layers(model, self._linear_first) if onednn_linear else {}
         if fused_root:
-            self._notes["SAGEConv: lin_l(aggr) + lin_r(x) as one tall-skinny GEMM output"] = len(fused_root)
+            self._notes[f"SAGEConv: {_fused_root_what()}"] = len(fused_root)
         attention = attention_layers(model, fused_attention)
         self._attention = {m: f for m, f in attention.items() if f is not _pyg_edge_index_forward}
         for m in attention:
@@ -962,7 +1001,7 @@ class OptimizedGNN(torch.nn.Module):
         if m in self._attention:
             return _ATTENTION_WHY
         if self._forwards.get(m) is _sage_forward_fused_root:
-            return "lin_l(aggr) + lin_r(x) as one tall-skinny GEMM output"
+            return _fused_root_what()
         return "Linear on cpu_opt's tall-skinny GEMM" if _native_linear_route() else "Linear on torch's oneDNN"
 
     def report_text(self) -> str:

@@ -56,6 +56,51 @@ KFN(CO_N3(seg_maxmin_row, CO_DT, CO_ISUF))(const int NV, const int is_max, const
     for (; e < end; ++e) m[(e - s) * W] = 0;
     return 0;
 }
+
+/* sum / mean of one CSR row over features [c0, c0 + 8 NV) of float32 x (optionally weighted),
+ * accumulators in registers, edges in order (the generic loop's order); mean divides by the
+ * row's count as the generic loop does. */
+static inline __attribute__((always_inline, unused)) void
+KFN(CO_N3(seg_sum_row, CO_DT, CO_ISUF))(const int NV, const float *x, int64_t F, const CO_IT *col,
+                                         const float *weight, int64_t s, int64_t end, int64_t e_stop,
+                                         int64_t c0, int mean, float *o, int stream)
+{
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
+    for (int64_t e = s; e < end; ++e) {
+        if (c0 == 0 && e + CO_PF_DIST < e_stop) {
+            const char *p_ = (const char *)(x + (int64_t)col[e + CO_PF_DIST] * F);
+            for (int64_t k_ = 0; k_ < F * 4; k_ += 64) __builtin_prefetch(p_ + k_);
+        }
+        const float *xr = x + (int64_t)col[e] * F + c0;
+        if (weight) {
+            const __m256 w = _mm256_set1_ps(weight[e]);
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) acc[v] = _mm256_add_ps(acc[v], _mm256_mul_ps(w, _mm256_loadu_ps(xr + 8 * v)));
+        } else {
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) acc[v] = _mm256_add_ps(acc[v], _mm256_loadu_ps(xr + 8 * v));
+        }
+    }
+    if (mean) {
+        const __m256 cnt = _mm256_set1_ps((float)(end - s));
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) acc[v] = _mm256_div_ps(acc[v], cnt);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+        if (stream) _mm256_stream_ps(o + c0 + 8 * v, acc[v]);
+        else _mm256_storeu_ps(o + c0 + 8 * v, acc[v]);
+    }
+}
+#endif
+
+#undef CO_SUM_FAST
+#if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
+#define CO_SUM_FAST 1
+#else
+#define CO_SUM_FAST 0
 #endif
 
 int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
@@ -100,6 +145,39 @@ int64_t KFN(CO_N3(segment_reduce, CO_DT, CO_ISUF))(
         if (!acc || !ab) {
 #pragma omp atomic write
             failed = 1;
+        } else if (CO_T_IS_ACC && sizeof(CO_T) == 4 && CO_SUM_FAST && (reduce == CO_RED_SUM || reduce == CO_RED_MEAN) &&
+                   !inc && ((F % 8 == 0 && F <= 64) || F % 64 == 0)) {
+#if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
+            /* float32 sum / mean, no include_self, 8..64 features in whole vectors or chunks of 64:
+             * a row loop of its own with the accumulators in registers (the generic loop below
+             * keeps them in memory and its per-row work made a 100k x 8 mean over a power-law
+             * graph as slow as 100k x 64) */
+            const int mean = reduce == CO_RED_MEAN;
+            const float *xf = (const float *)x, *wf = (const float *)weight;
+            /* streaming stores of whole 64-byte lines only (on Zen 3 they kept the gathered rows of
+             * x in L3: 7-14% on a uniform graph); half-line rows (F = 8) use plain stores */
+            const int stream = F % 16 == 0 && ((uintptr_t)out & 63) == 0;
+            for (int64_t r = r0; r < r1; ++r) {
+                const int64_t s = rowptr[r], end = rowptr[r + 1];
+                float *o = (float *)out + r * F;
+                if (s == end) {
+                    for (int64_t j = 0; j < F; j += 8) _mm256_storeu_ps(o + j, _mm256_setzero_ps());
+                    continue;
+                }
+                switch (F) {
+                case 8: KFN(CO_N3(seg_sum_row, CO_DT, CO_ISUF))(1, xf, F, col, wf, s, end, e_stop, 0, mean, o, stream); break;
+                case 16: KFN(CO_N3(seg_sum_row, CO_DT, CO_ISUF))(2, xf, F, col, wf, s, end, e_stop, 0, mean, o, stream); break;
+                case 24: KFN(CO_N3(seg_sum_row, CO_DT, CO_ISUF))(3, xf, F, col, wf, s, end, e_stop, 0, mean, o, stream); break;
+                case 32: KFN(CO_N3(seg_sum_row, CO_DT, CO_ISUF))(4, xf, F, col, wf, s, end, e_stop, 0, mean, o, stream); break;
+                case 40: KFN(CO_N3(seg_sum_row, CO_DT, CO_ISUF))(5, xf, F, col, wf, s, end, e_stop, 0, mean, o, stream); break;
+                case 48: KFN(CO_N3(seg_sum_row, CO_DT, CO_ISUF))(6, xf, F, col, wf, s, end, e_stop, 0, mean, o, stream); break;
+                case 56: KFN(CO_N3(seg_sum_row, CO_DT, CO_ISUF))(7, xf, F, col, wf, s, end, e_stop, 0, mean, o, stream); break;
+                default:
+                    for (int64_t c0 = 0; c0 < F; c0 += 64)
+                        KFN(CO_N3(seg_sum_row, CO_DT, CO_ISUF))(8, xf, F, col, wf, s, end, e_stop, c0, mean, o, stream);
+                }
+            }
+#endif
         } else {
             for (int64_t r = r0; r < r1; ++r) {
                 const int64_t s = rowptr[r], end = rowptr[r + 1];

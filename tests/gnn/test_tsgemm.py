@@ -135,7 +135,8 @@ def test_native_linear_forward_and_gradients_match_autograd(K, N):
         assert _rel(got, r) < 1e-5
 
 
-def test_native_linear_sum_matches_two_linears_and_their_sum():
+@pytest.mark.parametrize("fn", ["_NativeLinearSum", "_TorchLinearSum"])
+def test_linear_sum_matches_two_linears_and_their_sum(fn):
     g = torch.Generator().manual_seed(5)
     a1 = torch.randn(20000, 64, generator=g, requires_grad=True)
     a2 = torch.randn(20000, 32, generator=g, requires_grad=True)
@@ -143,7 +144,7 @@ def test_native_linear_sum_matches_two_linears_and_their_sum():
     w2 = torch.randn(16, 32, generator=g, requires_grad=True)
     b1 = torch.randn(16, generator=g, requires_grad=True)
     go = torch.randn(20000, 16, generator=g)
-    y = gpyg._NativeLinearSum.apply(a1, w1, b1, a2, w2, None)
+    y = getattr(gpyg, fn).apply(a1, w1, b1, a2, w2, None)
     y.backward(go)
     leaves = [t.detach().double().requires_grad_() for t in (a1, w1, b1, a2, w2)]
     ref = torch.nn.functional.linear(leaves[0], leaves[1], leaves[2]) + torch.nn.functional.linear(leaves[3], leaves[4])
@@ -200,6 +201,10 @@ def test_pyg_models_train_on_the_tall_skinny_gemm_where_routed(name):
         assert not any("oneDNN" in k and v for k, v in ran.items()), ran
     else:  # AVX-512 or no vectorized build: the kernel is not used
         assert native_ran == 0, ran
+    if name.startswith("sage"):  # lin_l(aggr) + lin_r(x) as one output where PyG's order is kept: layer 1
+        # (32 -> 64 widens) and, for max (no linear map before a max), layer 2
+        assert sum(v for k, v in ran.items() if "lin_l + lin_r" in k or "accumulated into lin_l" in k) == \
+            (2 if name == "sage_max" else 1), ran
     assert _rel(outs[1], outs[0].double()) < 1e-4
     for gf, gb in zip(grads[1], grads[0]):
         assert _rel(gf, gb.double()) < 1e-3
