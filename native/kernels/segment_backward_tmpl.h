@@ -212,6 +212,49 @@ int64_t KFN(CO_N3(arg_gather, CO_DT, CO_ISUF))(
     return failed ? CO_ERR_BAD_ARGUMENT : CO_OK;
 }
 
+#if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
+/* One output row i of mask_gather for float32 over the features [64 q, 64 q + 8 NV) (mask word q):
+ * accumulators in registers; each set byte of an edge's mask word becomes a lane mask (bit j of the
+ * byte -> lane j), and the masked row of g is added (lanes not won add +0: the sum of each feature
+ * over its winners, in the same edge order as the scalar loop). Vectors whose byte is 0 read no g. */
+static inline __attribute__((always_inline, unused)) void
+KFN(CO_N3(mask_gather_row, CO_DT, CO_ISUF))(const int NV, int64_t k0, int64_t k1, int64_t k_stop, const CO_IT *row_t,
+                                             const int64_t *perm, const uint64_t *wmask, int64_t W, int64_t q,
+                                             const float *g, int64_t F, const float *weight, float *o)
+{
+    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+        if (q == 0 && k + 2 * CO_PF_DIST < k_stop) __builtin_prefetch(wmask + perm[k + 2 * CO_PF_DIST] * W);
+        if (k + CO_PF_DIST < k_stop) {
+            const uint64_t mp = wmask[perm[k + CO_PF_DIST] * W + q];
+            const float *gp = g + (int64_t)row_t[k + CO_PF_DIST] * F + 64 * q;
+            for (int l = 0; l < NV; l += 2)
+                if ((mp >> (8 * l)) & 0xffff) __builtin_prefetch(gp + 8 * l);
+        }
+        const int64_t e = perm[k];
+        const uint64_t m = wmask[e * W + q];
+        if (!m) continue;
+        const float *gr = g + (int64_t)row_t[k] * F + 64 * q;
+        const __m256 w = _mm256_set1_ps(weight ? weight[e] : 1.0f);
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) {
+            const int byte = (int)((m >> (8 * v)) & 0xff);
+            if (!byte) continue;
+            const __m256 lanes = _mm256_castsi256_ps(
+                _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(byte), sel), sel));
+            __m256 gv = _mm256_loadu_ps(gr + 8 * v);
+            if (weight) gv = _mm256_mul_ps(gv, w);
+            acc[v] = _mm256_add_ps(acc[v], _mm256_and_ps(lanes, gv));
+        }
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(o + 64 * q + 8 * v, acc[v]);
+}
+#endif
+
 /* The backward of max/min spmm from the winner mask (wmask: nnz x W uint64, W = ceil(F / 64); bit
  * j of nonzero e set iff e won feature j of its row), over the CSC transpose as arg_gather:
  *   out[i, j] = sum over k in [colptr[i], colptr[i+1]) whose wmask[perm[k]] has bit j
@@ -248,6 +291,25 @@ int64_t KFN(CO_N3(mask_gather, CO_DT, CO_ISUF))(
             failed = 1;
         } else {
             for (int64_t i = i0; i < i1; ++i) {
+#if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
+                if (CO_T_IS_ACC && sizeof(CO_T) == 4 && ((F % 8 == 0 && F <= 64) || F % 64 == 0)) {
+                    const float *gf = (const float *)g, *wf = (const float *)weight;
+                    float *of = (float *)out + i * F;
+                    if (F >= 64)
+                        for (int64_t q = 0; q < W; ++q)
+                            KFN(CO_N3(mask_gather_row, CO_DT, CO_ISUF))(8, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, q, gf, F, wf, of);
+                    else switch (F / 8) {
+                    case 1: KFN(CO_N3(mask_gather_row, CO_DT, CO_ISUF))(1, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, 0, gf, F, wf, of); break;
+                    case 2: KFN(CO_N3(mask_gather_row, CO_DT, CO_ISUF))(2, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, 0, gf, F, wf, of); break;
+                    case 3: KFN(CO_N3(mask_gather_row, CO_DT, CO_ISUF))(3, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, 0, gf, F, wf, of); break;
+                    case 4: KFN(CO_N3(mask_gather_row, CO_DT, CO_ISUF))(4, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, 0, gf, F, wf, of); break;
+                    case 5: KFN(CO_N3(mask_gather_row, CO_DT, CO_ISUF))(5, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, 0, gf, F, wf, of); break;
+                    case 6: KFN(CO_N3(mask_gather_row, CO_DT, CO_ISUF))(6, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, 0, gf, F, wf, of); break;
+                    default: KFN(CO_N3(mask_gather_row, CO_DT, CO_ISUF))(7, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, 0, gf, F, wf, of);
+                    }
+                    continue;
+                }
+#endif
                 for (int64_t j = 0; j < F; ++j) acc[j] = (CO_ACC)0;
                 for (int64_t k = colptr[i]; k < colptr[i + 1]; ++k) {
                     if (k + 2 * CO_PF_DIST < k_stop) __builtin_prefetch(wmask + perm[k + 2 * CO_PF_DIST] * W);

@@ -16,7 +16,8 @@ _graph = csr_case
 @pytest.mark.parametrize("variant", RUNNABLE_VARIANTS)
 @pytest.mark.parametrize("case", GRAPH_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("F", [5, 64, 70])  # one partial word, one full word, two words
+@pytest.mark.parametrize("F", [5, 24, 64, 70, 128])  # one partial word (24: three float32 vectors), one full word,
+# two words (128: two whole words, the vector path per word)
 def test_mask_path_equals_index_path(case, variant, dtype, F):
     g, n_rows, n_cols, *_ = _graph(case, torch.int32 if F == 70 else torch.int64)
     torch.manual_seed(3)
