@@ -283,10 +283,14 @@ class WindowView(nn.Module):
 
 
 @pytest.mark.parametrize("make, shape", [(ConvNeXtBlock, (2, 16, 12, 12)), (WindowView, (2, 3, 16, 16))])
-def test_partition_outputs_keep_the_strides_the_graph_expects(make, shape):
+def test_partition_outputs_keep_the_strides_the_graph_expects(make, shape, monkeypatch):
     """Both ran wrong or not at all when partition outputs were forced to channels-last: ConvNeXt's
     LayerNorm (an NHWC tensor given channels-last strides) gave cosine 0.04 and the whole graph fell
-    back; the window view raised 'view size is not compatible'."""
+    back; the window view raised 'view size is not compatible'. (A lone LayerNorm runs in torch now:
+    kept a partition here, so its output strides are what is tested.)"""
+    from cpu_opt.compiler import lowering
+
+    monkeypatch.setattr(lowering, "ONE_OP_IN_TORCH", set())
     m = make().eval()
     x = torch.randn(*shape)
     opt = cpu_opt.optimize(m, x, dtype="fp32")
@@ -296,6 +300,35 @@ def test_partition_outputs_keep_the_strides_the_graph_expects(make, shape):
     if onednn_graph_used():
         assert rep["num_partitions"] >= 1
         assert any("LayerNorm" in p["ops"] for p in rep["partitions"])
+
+
+class LoneLayerNorm(nn.Module):
+    """A LayerNorm that nothing fuses with (no add before it) beside an elementwise chain that is a
+    partition of several ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.norm(x), torch.relu(x * 2.0 + 1.0) - 0.5
+
+
+def test_a_lone_layer_norm_runs_in_torch_and_is_reported():
+    """A partition of one LayerNorm fuses nothing, and a partition step costs more per call than
+    torch's kernel (16 vs 80 us at 128 x 768): it runs in torch, reported as routed there, with the
+    same numbers as eager; the multi-op partition beside it stays in oneDNN."""
+    m = LoneLayerNorm().eval()
+    x = torch.randn(4, 16)
+    opt = cpu_opt.optimize(m, x, dtype="fp32")
+    for a, b in zip(opt(x), m(x)):
+        assert _close(a, b.detach())
+    rep = opt.report()
+    assert not any("LayerNorm" in p["ops"] for p in rep["partitions"])
+    lone = [r for r in rep["routed"] if r["op"] == "aten.layer_norm.default"]
+    assert len(lone) == 1 and lone[0]["route"] == "torch" and "fuse nothing" in lone[0]["why"], rep["routed"]
+    if onednn_graph_used():
+        assert rep["num_partitions"] >= 1
 
 
 class GeluMLP(nn.Module):
