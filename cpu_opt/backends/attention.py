@@ -45,10 +45,11 @@ def bf16_matmul_softmax_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_cau
 def bf16_flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """torch's flash kernel in bf16 for float32 inputs (cast in, cast back): the attention of an int8
     model on a CPU with native bf16 math (AMX tiles, or AVX512_BF16), where the int8 layers around it
-    leave the attention in float32. A mask keeps its own dtype (a float mask is added in float32)."""
-    dt = q.dtype
+    leave the attention in float32. A mask keeps its own dtype (a float mask is added in float32).
+    q, k and v may arrive in bf16 already (int8 projections that write bf16:
+    ``passes.attention.bf16_projections``); the result is float32 either way."""
     mask = attn_mask.to(torch.bfloat16) if attn_mask is not None and attn_mask.is_floating_point() else attn_mask
     out = torch.ops.aten.scaled_dot_product_attention.default(
         q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), mask, dropout_p, is_causal, scale=scale,
         enable_gqa=enable_gqa)
-    return out.to(dt)
+    return out.float()

@@ -183,6 +183,9 @@ class _Kernel:
         self.other_qparams = None
         self.raw_qparams = None      # the range of the layer's output before a fused post-op / residual add
         self.fused_post_op = False     # set by a family that runs the post-op inside the kernel
+        # the dtype of a float (unchained) output: bfloat16 where the graph pass found that only a bf16
+        # consumer reads it (:meth:`write_bf16`, families that support it), else float32
+        self.float_out = torch.float32
         # set by the runtime (cpu_opt.compiler.runtime) when no caller can see this layer's output: a
         # family that writes into a buffer of its own then reuses it across calls (one per thread)
         self.reuse_output = False
@@ -240,12 +243,21 @@ class _Kernel:
                             "(the int8 graph pass writes one only where every reader is on it)")
         if _is_fake(x):  # shape propagation: an empty tensor of the output's shape and dtype
             return x.new_empty(self.out_shape(tuple(x.shape)),
-                               dtype=torch.uint8 if self.out_qparams is not None else torch.float32)
+                               dtype=torch.uint8 if self.out_qparams is not None else self.float_out)
         return self.run(x, other)
 
+    # families whose kernel can write a bfloat16 output itself (:meth:`write_bf16`)
+    writes_bf16 = False
+
+    def write_bf16(self) -> None:
+        """Write the (float, unchained) output as bfloat16: for a layer read only by bf16 kernels."""
+        if not self.writes_bf16 or self.out_qparams is not None:
+            raise TypeError(f"{self!r} cannot write a bfloat16 output")
+        self.float_out = torch.bfloat16
+
     def __repr__(self):
-        return (f"{type(self).__name__}(out={self.out_features}, post_op={self.post_op}, "
-                f"out={'quint8' if self.out_qparams else 'fp32'})")
+        out = "quint8" if self.out_qparams else "bf16" if self.float_out == torch.bfloat16 else "fp32"
+        return f"{type(self).__name__}(out={self.out_features}, post_op={self.post_op}, out={out})"
 
 
 # ------------------------------------------------------------------------------------- linear

@@ -18,6 +18,7 @@ class DnnlLinear(LinearKernel):
     a few pointers and runs."""
     family = "onednn"
     takes_int8_residual = True
+    writes_bf16 = True
 
     def __init__(self, wq, w_scales, bias, x_qparams, **kw):
         super().__init__(wq, w_scales, bias, x_qparams, **kw)
@@ -32,8 +33,15 @@ class DnnlLinear(LinearKernel):
         post = _residual_post_ops(residual, self.other_qparams) + ([self.post_op] if self.post_op else [])
         ys, yz = self.out_qparams if self.out_qparams is not None else (None, None)
         return Matmul(self.wq_t, self.bias, post, src_scale=self.x_scale, weight_scales=self.w_scales,
-                      src_zero_point=self.x_zp, dst_dtype=torch.uint8 if self.out_qparams is not None else torch.float32,
+                      src_zero_point=self.x_zp, dst_dtype=torch.uint8 if self.out_qparams is not None else self.float_out,
                       dst_scale=ys, dst_zero_point=yz)
+
+    def write_bf16(self) -> None:
+        """The matmul writes bfloat16 (oneDNN converts in the kernel's epilogue): for the query, key
+        and value projections of an attention that runs in bf16 (no cast of each of them)."""
+        super().write_bf16()
+        self._bound.clear()
+        self.mm = self._matmul(None)
 
     def run(self, x, other=None):
         u = input_u8(x, self.x_scale, self.x_zp)

@@ -766,3 +766,101 @@ def test_parallel_projections_run_as_one_gemm(monkeypatch):
     assert torch.allclose(y, ys, rtol=1e-5, atol=1e-5), (y - ys).abs().max()
     cos, _ = compare(y, ref)
     assert cos >= MIN_COSINE, cos
+
+
+def _force_bf16_attention(monkeypatch, real_route):
+    """The int8 graph's attention on torch's flash kernel in bf16, as on a CPU with native bf16 (every
+    CPU runs the kernel; only its speed differs), and every int8 layer on cpu_opt's oneDNN."""
+    from cpu_opt.platform import routing
+    from cpu_opt.quant import api
+
+    monkeypatch.setattr(api, "choose_family", lambda kind, rows, macs, conv=None: ("onednn", "forced"))
+    monkeypatch.setattr(routing, "auto_dtype", lambda info=None: "bf16")
+    monkeypatch.setattr(routing, "route", lambda work, dtype, *a, **k: routing.Route(work, dtype, "torch_flash", "forced")
+                        if (work, dtype) == ("attention", "bf16") else real_route(work, dtype, *a, **k))
+
+
+@pytest.mark.isa
+def test_projections_feeding_a_bf16_attention_write_bf16(monkeypatch):
+    """Where an int8 graph's attention runs torch's flash kernel in bf16, the merged query/key/value
+    GEMM writes bfloat16 itself: the attention reads its slices without a cast, the output projection
+    (read by no attention) keeps float32, and the result equals the same model with the projections
+    writing float32 (the attention casts them to bf16 either way)."""
+    from cpu_opt.backends import attention as battn
+    from cpu_opt.compiler.passes import attention as pattn
+    from cpu_opt.platform import routing
+
+    torch.manual_seed(0)
+    m = _QKV().eval()
+    calib = [(torch.randn(2, 16, 64, generator=gen(710 + i)),) for i in range(N_CALIB)]
+    x = torch.randn(2, 16, 64, generator=gen(17))
+    real_route = routing.route
+    _force_bf16_attention(monkeypatch, real_route)
+    opt = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping())
+    assert any("1 int8 projection(s) feeding them write bf16" in line for line in opt.report()["passes"]), \
+        opt.report()["passes"]
+    kernels = [n.target for n in opt._base_plan.program.graph.nodes
+               if n.op == "call_function" and isinstance(n.target, K.LINEAR_KERNELS["onednn"])]
+    assert sorted(str(k.float_out) for k in kernels) == ["torch.bfloat16", "torch.float32"]
+    seen = []
+    real_flash = battn.bf16_flash_attention
+
+    def spy(q, k, v, *a, **kw):   # the dtypes the attention is handed
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real_flash(q, k, v, *a, **kw)
+
+    for n in opt._base_plan.program.graph.nodes:
+        if n.target is real_flash:
+            n.target = spy
+    opt._base_plan.program.recompile()
+    with torch.no_grad():
+        y = opt(x)
+    assert seen and all(d == (torch.bfloat16,) * 3 for d in seen), seen
+    assert y.dtype == torch.float32
+    monkeypatch.setattr(pattn, "bf16_projections", lambda gm, attention: 0)
+    f32 = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping())
+    assert not any("write bf16" in line for line in f32.report()["passes"])
+    with torch.no_grad():
+        y32, ref = f32(x), m(x)
+    assert torch.allclose(y, y32, rtol=1e-5, atol=1e-5), (y - y32).abs().max()
+    cos, _ = compare(y, ref)
+    assert cos >= MIN_COSINE, cos
+
+
+def _projection_graph(kernel, also_added: bool):
+    """x -> int8 projection -> view -> transpose -> bf16 attention (q = k = v), and with ``also_added``
+    the projection's output read by an add too."""
+    from cpu_opt.backends.attention import bf16_flash_attention
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    y = g.call_function(kernel, (g.placeholder("x"),))
+    q = g.call_function(aten.transpose.int, (g.call_function(aten.view.default, (y, [1, 8, 4, 16])), 1, 2))
+    a = g.call_function(bf16_flash_attention, (q, q, q))
+    g.output((a, g.call_function(aten.add.Tensor, (y, 1.0))) if also_added else a)
+    return torch.fx.GraphModule(torch.nn.Module(), g), a
+
+
+@pytest.mark.isa
+def test_bf16_projections_only_where_attention_alone_reads_the_output():
+    """A projection also read by something other than an attention's q/k/v (an add) keeps float32;
+    read by the attention alone it writes bf16, and the attention still returns float32."""
+    from cpu_opt.compiler.passes.attention import bf16_projections
+
+    def kernel():
+        k = K.LINEAR_KERNELS["onednn"](torch.randint(-127, 128, (64, 64), dtype=torch.int8, generator=gen(3)),
+                                       torch.full((64,), 0.01), None, (0.05, 128))
+        k.__name__ = "int8_linear_test"   # as the int8 graph pass names its kernels (FX code generation)
+        return k
+
+    k = kernel()
+    gm, a = _projection_graph(k, also_added=True)
+    assert bf16_projections(gm, [a]) == 0 and k.float_out == torch.float32
+    k = kernel()
+    gm, a = _projection_graph(k, also_added=False)
+    assert bf16_projections(gm, [a]) == 1 and k.float_out == torch.bfloat16
+    xin = torch.randn(1, 8, 64, generator=gen(4))
+    assert k(xin).dtype == torch.bfloat16 and gm(xin).dtype == torch.float32
+    with pytest.raises(TypeError, match="bfloat16"):
+        K.LINEAR_KERNELS["fbgemm"](torch.randint(-127, 128, (64, 64), dtype=torch.int8, generator=gen(5)),
+                                   torch.full((64,), 0.01), None, (0.05, 128)).write_bf16()
