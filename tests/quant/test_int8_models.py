@@ -759,11 +759,17 @@ def test_parallel_projections_run_as_one_gemm(monkeypatch):
         y = merged(x)
     assert calls.total() == 2                                  # q+k+v in one call, o in another
     monkeypatch.setattr(qgraph, "_merge_parallel_linears", lambda gm, report: 0)
-    separate = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping())
-    assert not any("merged_gemm" in r for r in separate.report()["int8"])
+    _same_without(m, x, calib, y, lambda rep: not any("merged_gemm" in r for r in rep["int8"]))
+
+
+def _same_without(m, x, calib, y, without):
+    """``m`` optimized again in int8 (a step of the pass switched off by the caller's monkeypatch;
+    ``without(report)`` checks that it is off) gives ``y`` again, and ``y`` is close to fp32."""
+    other = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping())
+    assert without(other.report())
     with torch.no_grad():
-        ys, ref = separate(x), m(x)
-    assert torch.allclose(y, ys, rtol=1e-5, atol=1e-5), (y - ys).abs().max()
+        y2, ref = other(x), m(x)
+    assert torch.allclose(y, y2, rtol=1e-5, atol=1e-5), (y - y2).abs().max()
     cos, _ = compare(y, ref)
     assert cos >= MIN_COSINE, cos
 
@@ -818,13 +824,7 @@ def test_projections_feeding_a_bf16_attention_write_bf16(monkeypatch):
     assert seen and all(d == (torch.bfloat16,) * 3 for d in seen), seen
     assert y.dtype == torch.float32
     monkeypatch.setattr(pattn, "bf16_projections", lambda gm, attention: 0)
-    f32 = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping())
-    assert not any("write bf16" in line for line in f32.report()["passes"])
-    with torch.no_grad():
-        y32, ref = f32(x), m(x)
-    assert torch.allclose(y, y32, rtol=1e-5, atol=1e-5), (y - y32).abs().max()
-    cos, _ = compare(y, ref)
-    assert cos >= MIN_COSINE, cos
+    _same_without(m, x, calib, y, lambda rep: not any("write bf16" in line for line in rep["passes"]))
 
 
 def _projection_graph(kernel, also_added: bool):
