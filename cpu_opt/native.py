@@ -6,6 +6,8 @@ turns a non-zero status into :class:`cpu_opt.errors.NativeKernelError`.
 """
 from __future__ import annotations
 
+import operator
+
 import functools
 import os
 
@@ -152,9 +154,17 @@ def empty(*shape, dtype=None):
     import torch
 
     dtype = dtype or torch.float32
+    dims = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
+    for d in dims:
+        if isinstance(d, torch.dtype):
+            raise TypeError(f"native.empty: pass the dtype by keyword (dtype={d}), not as a dimension")
+    try:
+        dims = [operator.index(d) for d in dims]
+    except TypeError:
+        raise TypeError(f"native.empty: dimensions are ints, got {tuple(dims)}") from None
     numel = 1
-    for d in (shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape):
-        numel *= int(d)
+    for d in dims:
+        numel *= d
     check_allocation(numel * torch.empty((), dtype=dtype).element_size(), f"a {dtype} buffer of shape {shape}")
     t = torch.empty(*shape, dtype=dtype)
     nbytes = t.numel() * t.element_size()

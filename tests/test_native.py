@@ -167,3 +167,15 @@ def test_sanitized_build_is_the_one_loaded_under_make_test_asan():
         assert "asan" in native.module_path()
     else:
         assert "CPU_OPT_NATIVE_PATH" not in os.environ or native.module_path() == os.environ["CPU_OPT_NATIVE_PATH"]
+
+
+def test_empty_takes_shapes_and_a_keyword_dtype_and_refuses_the_rest():
+    """``native.empty`` as ``torch.empty``: a shape (ints, a tuple, a torch.Size) and ``dtype=``; a dtype
+    passed where a dimension goes, or a dimension that is not an integer, is a clear TypeError."""
+    assert native.empty(3, 4).shape == (3, 4) and native.empty(3, 4).dtype == torch.float32
+    assert native.empty((2, 5), dtype=torch.int32).dtype == torch.int32
+    assert native.empty(torch.Size([2, 3]), dtype=torch.bfloat16).shape == (2, 3)
+    with pytest.raises(TypeError, match="dtype by keyword"):
+        native.empty((2, 3), torch.float32)
+    with pytest.raises(TypeError, match="dimensions are ints"):
+        native.empty(2, 3.5)
