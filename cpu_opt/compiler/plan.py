@@ -139,6 +139,8 @@ def build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbos
         log += quantize_graph(gm, *int8)
         _propagate_shapes(gm, flat_in)
         dtype = "fp32"
+    else:
+        log += passes.merge_parallel_linears(gm)
     if dtype == "bf16":
         log += passes.cast_params(gm, torch.bfloat16)
         cast_inputs_outputs(gm, torch.bfloat16, out_dtypes)

@@ -130,3 +130,47 @@ def test_hf_gpt2_newgelu_and_conv1d_residuals_are_canonicalized():
     assert "residual add(s) moved" in log, log
     with torch.no_grad():
         assert _rel(opt(input_ids=ids).logits, m(input_ids=ids).logits) < 1e-4
+
+
+class _Heads(nn.Module):
+    """Query, key and value projections of one input, split into heads (a view of the last
+    dimension), attention; ``flat`` adds a reader that views a projection with its leading dimensions
+    merged, which a slice of a wider GEMM output cannot give."""
+
+    def __init__(self, d=32, heads=4, flat=False):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(d, d) for _ in range(3))
+        self.heads, self.flat = heads, flat
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, d // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, d)
+        if self.flat:
+            a = a + self.v(x).view(b * s, d).view(b, s, d)
+        return a
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_parallel_projections_become_one_gemm(dtype):
+    """q, k and v read one input: one GEMM over their concatenated weights, sliced; same answers."""
+    m = _Heads().eval()
+    x = torch.randn(2, 8, 32)
+    opt = cpu_opt.optimize(m, x, dtype=dtype)
+    log = opt.report()["passes"]
+    assert any(line.startswith("1 group(s) of linear layers reading one input") for line in log), log
+    tol = 1e-5 if dtype == "fp32" else 3e-2
+    assert torch.allclose(opt(x), m(x).detach(), rtol=tol, atol=tol)
+
+
+def test_projections_read_by_a_leading_dims_view_stay_apart():
+    """A second call of v whose output is viewed with its leading dimensions merged stays its own
+    GEMM; q, k and the first v merge."""
+    gm = capture(_Heads(flat=True).eval(), (torch.randn(2, 8, 32),)).gm
+    before = [n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default]
+    log = passes.merge_parallel_linears(gm)
+    after = [n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert len(before) == 4 and len(after) == 2, log
+    apart = [n for n in after if not str(n.args[1].target).startswith("_cpu_opt_qkv")]
+    assert len(apart) == 1 and any(u.target == torch.ops.aten.view.default and
+                                   tuple(u.meta["val"].shape) == (16, 32) for u in apart[0].users)

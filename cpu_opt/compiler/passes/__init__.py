@@ -13,6 +13,8 @@ Each pass takes a GraphModule, rewrites it in place and returns a short log of w
 * :func:`tanh_gelu` — the tanh GELU written out op by op (GPT-2) becomes one ``aten.gelu``
 * :func:`residual_add_after_view` — a residual add after a GEMM's view moves before the view
 * :func:`cast_params` — floating parameters and buffers converted once (bf16)
+* :func:`merge_parallel_linears` — linear layers reading one input (query, key, value) as one GEMM
+  whose output they slice (float graphs; the int8 pass merges its own)
 * :func:`route_linears` — GEMMs on constant weights whose route is ``torch_onednn`` become calls to
   torch's own oneDNN (``torch.ops.mkldnn._linear_pointwise``); with ``measure=True`` each weight
   shape is timed on both backends and the faster wins
@@ -34,11 +36,11 @@ from .cleanup import drop_dropout, remove_noops
 from .eltwise import route_gelu
 from .fold import cast_params, fold_batchnorm, fold_constants, fold_linear_scale
 from .fx import mutated_state, storage_root, writes_in_place
-from .linear import linear_operands, measure_linear, route_linears
+from .linear import linear_operands, measure_linear, merge_parallel_linears, route_linears
 
 __all__ = ["DEFAULT_PASSES", "cast_params", "drop_dropout", "fold_batchnorm", "fold_constants", "fold_linear_scale",
            "linear_operands",
-           "measure_linear", "mutated_state", "remove_noops", "route_attention", "route_gelu", "route_linears", "run_passes",
+           "measure_linear", "merge_parallel_linears", "mutated_state", "remove_noops", "route_attention", "route_gelu", "route_linears", "run_passes",
            "residual_add_after_view", "storage_root", "tanh_gelu", "writes_in_place"]
 
 DEFAULT_PASSES = (drop_dropout, remove_noops, fold_batchnorm, fold_constants, fold_linear_scale, tanh_gelu,

@@ -9,7 +9,7 @@ import torch.fx
 from ... import native
 from ...backends import mkl, native_linear
 from ...backends.torch_onednn import TORCH_LINEAR, packed_linear_weight
-from .fx import NotConstant, add_constant, drop_unused_constants, get_constant, node_value, replace_node
+from .fx import NotConstant, add_constant, drop_unused_constants, get_constant, mutated_state, node_value, replace_node
 
 aten = torch.ops.aten
 
@@ -170,3 +170,73 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
     parts += [f"{in_torch} in torch's own kernels"] if in_torch else []
     parts += [f"{gemv} GEMV(s) on cpu_opt's native kernel"] if gemv else []
     return [", ".join(parts) + f", {kept} on cpu_opt's oneDNN ({how})"]
+
+
+def merge_parallel_linears(gm: torch.fx.GraphModule) -> list[str]:
+    """``linear`` layers on constant weights that read the same input (a transformer's query, key and
+    value projections) become one GEMM over their concatenated weights, each layer's output a slice of
+    its result: one call and one wider GEMM instead of three. Only where every reader of each output
+    takes a strided tensor: a ``view`` reader must only split the last dimension (what the attention's
+    head split does), anything that may write in place or re-stride (``as_strided``) keeps the layers
+    apart. The float form of :func:`cpu_opt.quant.graph._merge_parallel_linears`."""
+    state = mutated_state(gm)
+    groups: dict = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target != aten.linear.default or n.kwargs:
+            continue
+        vx = node_value(n.args[0])
+        ops = linear_operands(gm, n, vx.dtype) if isinstance(vx, torch.Tensor) and vx.is_floating_point() else None
+        if ops is None or ops[1] in state or (ops[4] is not None and ops[4] in state):
+            continue
+        if not all(_strided_ok(u, n) for u in n.users):
+            continue
+        x, _w, wt, _kn, b = ops
+        groups.setdefault((x, wt.shape[1], wt.dtype, b is None), []).append((n, ops))
+    made = 0
+    for (x, _k, _dt, _nob), members in groups.items():
+        if len(members) < 2:
+            continue
+        first = members[0][0]
+        with torch.no_grad():
+            w = torch.cat([ops[2] for _n, ops in members])
+            bias = None if members[0][1][4] is None else torch.cat([get_constant(gm, ops[4]) for _n, ops in members])
+        args = [x, add_constant(gm, w, first, "qkv_w")]
+        if bias is not None:
+            args.append(add_constant(gm, bias, first, "qkv_b"))
+        with gm.graph.inserting_before(first):
+            m = gm.graph.call_function(aten.linear.default, tuple(args))
+        v0 = node_value(first)
+        m.meta = {k: v for k, v in first.meta.items() if k != "val"}
+        m.meta["val"] = torch.empty((*v0.shape[:-1], w.shape[0]), dtype=v0.dtype, device="meta")
+        off = 0
+        for n, ops in members:
+            width = ops[2].shape[0]
+            with gm.graph.inserting_before(n):
+                sl = gm.graph.call_function(aten.slice.Tensor, (m, -1, off, off + width))
+            sl.meta = {k: v for k, v in n.meta.items() if k != "val"}
+            sl.meta["val"] = torch.empty_strided(node_value(n).shape, (*m.meta["val"].stride()[:-1], 1),
+                                                 dtype=v0.dtype, device="meta")
+            off += width
+            replace_node(n, sl)
+        made += 1
+    if made:
+        gm.graph.eliminate_dead_code()
+        drop_unused_constants(gm)
+        gm.recompile()
+    return [f"{made} group(s) of linear layers reading one input run as one GEMM each"] if made else []
+
+
+def _strided_ok(u: torch.fx.Node, lin: torch.fx.Node) -> bool:
+    """Can ``u`` read ``lin``'s output as a slice of a wider result (the last dimension strided)?"""
+    if u.op == "output" or u.op != "call_function":
+        return False
+    t = u.target
+    if t in (aten.view.default, aten._unsafe_view.default):
+        v, out = node_value(lin), node_value(u)
+        if not isinstance(v, torch.Tensor) or not isinstance(out, torch.Tensor):
+            return False
+        lead = tuple(v.shape[:-1])
+        return tuple(out.shape[:len(lead)]) == lead   # only the last dimension split
+    if t in (aten.as_strided.default,) or not hasattr(t, "_schema"):
+        return False
+    return not any(a.alias_info is not None and a.alias_info.is_write for a in t._schema.arguments)
