@@ -367,8 +367,8 @@ class LoweredGraph:
 # step's per-call cost. Measured (Xeon with AMX, 2 threads, int8 BERT-base's 25 LayerNorms over 128 x 768,
 # their adds fused into the int8 GEMMs): 80 us a call as a oneDNN Graph partition (31 us of it in oneDNN
 # 3.2's jit:uni kernel), 16 us as aten.layer_norm; int8 BERT-base 22.5 -> 21.6 ms a call, fp32 BERT-base
-# 83.5 -> 81.0, ViT-B/16 119.7 -> 117.4, GPT-2 108.4 -> 106.5, ConvNeXt-T 41.8 -> 40.5 (A/B in one process).
-# Other lone ops stay partitions (not measured alone; a pooling op was level or slower in torch).
+# 86.7 -> 85.4, bf16 level (A/B in one process). Other lone ops stay partitions: lone adds in torch too
+# gained fp32 BERT-base another 3% but left models whose linears all route to MKL with no partition.
 ONE_OP_IN_TORCH = {aten.layer_norm.default, aten.native_layer_norm.default}
 ONE_OP_PARTITION = ("a partition of this one op would fuse nothing: torch's kernel is faster than a partition "
                     "step's per-call cost (128 x 768 LayerNorm: 16 vs 80 us)")
