@@ -42,6 +42,15 @@ def bf16_matmul_softmax_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_cau
     return matmul_softmax_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (True: attend) as the additive mask torch's SDPA makes of it before
+    its kernel runs (0 where True, -inf where False, in ``dtype``): computed once per call for all
+    the attention ops that share the mask (``passes.attention.shared_masks``)."""
+    if mask.dtype != torch.bool:
+        raise TypeError(f"additive_mask takes a boolean mask; got {mask.dtype}")
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(mask.logical_not(), float("-inf"))
+
+
 def bf16_flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """torch's flash kernel in bf16 for float32 inputs (cast in, cast back): the attention of an int8
     model on a CPU with native bf16 math (AMX tiles, or AVX512_BF16), where the int8 layers around it

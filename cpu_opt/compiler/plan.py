@@ -146,6 +146,7 @@ def build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbos
         cast_inputs_outputs(gm, torch.bfloat16, out_dtypes)
         _propagate_shapes(gm, flat_in)
     log += passes.route_attention(gm, dtype, int8=int8_graph)
+    log += passes.shared_masks(gm)
     cl = channels_last_inputs(gm)
     if cl:
         log.append("convolution network: inputs and 4-D activations in channels-last")

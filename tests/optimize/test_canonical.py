@@ -174,3 +174,49 @@ def test_projections_read_by_a_leading_dims_view_stay_apart():
     apart = [n for n in after if not str(n.args[1].target).startswith("_cpu_opt_qkv")]
     assert len(apart) == 1 and any(u.target == torch.ops.aten.view.default and
                                    tuple(u.meta["val"].shape) == (16, 32) for u in apart[0].users)
+
+
+class MaskedLayers(nn.Module):
+    """Three attention ops reading one boolean padding mask (a BERT encoder's pattern)."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(3))
+
+    def forward(self, x, keep):
+        b, s, d = x.shape
+        mask = keep[:, None, None, :].expand(b, 1, s, s)
+        for p in self.qkv:
+            q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in p(x).chunk(3, -1))
+            x = x + nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, d)
+        return x
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_shared_boolean_mask_is_made_additive_once(dtype):
+    """The boolean mask read by three attention ops becomes one additive mask (0 / -inf in the
+    attention's dtype) that all three read: the answer is eager's (torch makes the same tensor
+    inside each call), with padded keys and a second padding pattern alike."""
+    from cpu_opt.backends.attention import additive_mask
+
+    torch.manual_seed(0)
+    m = MaskedLayers().eval()
+    x = torch.randn(2, 8, 32)
+    keep = torch.ones(2, 8, dtype=torch.bool)
+    keep[1, 5:] = False
+    opt = cpu_opt.optimize(m, (x, keep), dtype=dtype)
+    plan = next(iter(opt._plans.values()))
+    made = [n for n in plan.program.graph.nodes if n.op == "call_function" and n.target is additive_mask]
+    assert len(made) == 1 and len(made[0].users) == 3
+    assert made[0].args[1] == (torch.float32 if dtype == "fp32" else torch.bfloat16)
+    assert any("boolean attention mask" in line for line in opt.report()["passes"])
+    tol = 1e-5 if dtype == "fp32" else 3e-2
+    keep2 = keep.clone()
+    keep2[0, 2:] = False
+    with torch.no_grad():
+        for kp in (keep, keep2):
+            ref = m(x, kp)
+            assert ((opt(x, kp) - ref).abs().max() / ref.abs().max()).item() < tol
+    with pytest.raises(TypeError, match="boolean mask"):
+        additive_mask(torch.zeros(2, 2), torch.float32)

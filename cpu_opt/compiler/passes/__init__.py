@@ -19,6 +19,7 @@ Each pass takes a GraphModule, rewrites it in place and returns a short log of w
   torch's own oneDNN (``torch.ops.mkldnn._linear_pointwise``); with ``measure=True`` each weight
   shape is timed on both backends and the faster wins
 * :func:`route_attention` — attention ops to the kernel the attention route names
+* :func:`shared_masks` — a boolean mask several attention ops read made additive once per call
 * :func:`route_gelu` — the exact GELU after a linear layer outside oneDNN Graph to cpu_opt's
   vectorized kernel
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from .attention import route_attention
+from .attention import route_attention, shared_masks
 from .canonical import residual_add_after_view, tanh_gelu
 from .cleanup import drop_dropout, remove_noops
 from .eltwise import route_gelu
@@ -40,7 +41,7 @@ from .linear import linear_operands, measure_linear, merge_parallel_linears, rou
 
 __all__ = ["DEFAULT_PASSES", "cast_params", "drop_dropout", "fold_batchnorm", "fold_constants", "fold_linear_scale",
            "linear_operands",
-           "measure_linear", "merge_parallel_linears", "mutated_state", "remove_noops", "route_attention", "route_gelu", "route_linears", "run_passes",
+           "measure_linear", "merge_parallel_linears", "mutated_state", "remove_noops", "route_attention", "route_gelu", "route_linears", "run_passes", "shared_masks",
            "residual_add_after_view", "storage_root", "tanh_gelu", "writes_in_place"]
 
 DEFAULT_PASSES = (drop_dropout, remove_noops, fold_batchnorm, fold_constants, fold_linear_scale, tanh_gelu,
