@@ -1,5 +1,6 @@
-"""torch's own oneDNN (3.12, inside libtorch; reached only through torch ops): the fp32 linear
-(``mkldnn._linear_pointwise`` on weights prepacked once) and, in ``cpu_opt.quant``, the int8
+"""torch's own oneDNN (3.12, inside libtorch; reached only through torch ops): the fp32 and bf16
+linear (``mkldnn._linear_pointwise`` on weights prepacked once, with an activation or a residual add
+fused: ``.binary``) and, in ``cpu_opt.quant``, the int8
 ``onednn.qlinear_pointwise`` / ``qconv2d_pointwise`` kernels."""
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ from .int8 import Conv2dKernel, LinearKernel, as_u8, chain_u8, input_u8, quantiz
 
 
 TORCH_LINEAR = torch.ops.mkldnn._linear_pointwise.default
+TORCH_LINEAR_BINARY = torch.ops.mkldnn._linear_pointwise.binary
+
+
+def bf16_linear_runs() -> bool:
+    """Does torch's oneDNN run bf16 linear layers natively here (avx512_bf16 / AMX)?"""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def packed_linear_weight(w_nk: torch.Tensor, rows: int) -> torch.Tensor:

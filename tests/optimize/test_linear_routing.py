@@ -172,13 +172,17 @@ def test_linear_route_per_cpu(cpu, want):
 
 def test_mkl_route_is_for_big_fp32_gemms_on_intel_avx512():
     """MKL's packed sgemm for Intel AVX-512 GEMMs from 16M multiply-adds; small ones stay on addmm,
-    GEMVs on their own rules, AMD's AVX-512 (MKL picks kernels by vendor) on oneDNN, bf16 never."""
+    GEMVs on their own rules, AMD's AVX-512 (MKL picks kernels by vendor) on oneDNN, bf16 never (with
+    AMX it goes to torch's oneDNN)."""
     spr = hw.build_info((FIX / "intel_sapphirerapids.txt").read_text())
+    z5 = hw.build_info((FIX / "amd_zen5.txt").read_text())
     assert routing.route("linear", "fp32", spr, rows=128, macs=128 * 768 * 3072).backend == "mkl"
     assert routing.route("linear", "fp32", spr, rows=1, macs=4096 * 4096).backend == "torch"   # a GEMV: addmm
     assert routing.route("linear", "fp32", spr, rows=64, macs=64 * 128 * 512).backend != "mkl"
-    assert routing.route("linear", "bf16", spr, rows=128, macs=128 * 768 * 3072).backend == "onednn"
-    z5 = hw.build_info((FIX / "amd_zen5.txt").read_text())
+    # bf16 with AMX: torch's oneDNN (measured inside models); GEMVs keep cpu_opt's oneDNN
+    assert routing.route("linear", "bf16", spr, rows=128, macs=128 * 768 * 3072).backend == "torch_onednn"
+    assert routing.route("linear", "bf16", spr, rows=1, macs=768 * 3072).backend == "onednn"
+    assert routing.route("linear", "bf16", z5, rows=128, macs=128 * 768 * 3072).backend == "onednn"
     assert routing.route("linear", "fp32", z5, rows=128, macs=128 * 768 * 3072).backend == "onednn"
     capped = hw.build_info((FIX / "intel_sapphirerapids.txt").read_text(), cap="avx2")
     assert routing.route("linear", "fp32", capped, rows=128, macs=128 * 768 * 3072).backend == "torch_onednn"
@@ -221,3 +225,68 @@ def test_table_gives_gemvs_their_own_rule_on_avx2():
     assert routing.route("linear", "fp32", z3).backend == "torch_onednn"  # no rows: the many-row rule
     z5 = hw.build_info((FIX / "amd_zen5.txt").read_text())
     assert routing.route("linear", "fp32", z5, rows=1).backend == "onednn"
+
+
+class PostOps(nn.Module):
+    """Linear layers followed by what torch's oneDNN linear fuses (erf and tanh GELU, ReLU, SiLU, a
+    residual add), and two it must not: a layer whose output is also returned, and an add that
+    broadcasts."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 64), nn.Linear(64, 32), nn.Linear(32, 32)
+        self.d, self.e, self.f = nn.Linear(32, 48), nn.Linear(48, 32), nn.Linear(32, 32)
+        self.g = nn.Linear(32, 32)
+        self.shift = nn.Parameter(torch.randn(32))
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.a(x))
+        y = self.b(h) + x                                              # residual: binary add
+        z = torch.relu(self.c(y))
+        w = torch.nn.functional.silu(self.d(z))
+        t = torch.nn.functional.gelu(self.e(w), approximate="tanh")
+        kept = self.f(t)                                               # also returned: not fused
+        return torch.relu(kept), kept, self.g(t) + self.shift          # broadcast add: not fused
+
+
+def test_bf16_linears_on_torch_onednn_fuse_activation_and_residual(monkeypatch):
+    """bf16 linear layers routed to torch's oneDNN (the table's route with AMX; forced here, so every
+    CPU runs it) run on weights packed for their rows, with the GELU (erf, tanh), ReLU, SiLU or
+    residual add after them as the kernel's post-op; a layer whose output has another reader, or an
+    add that broadcasts, stays apart. Answers within bf16 rounding of the model run in bf16 eagerly.
+    Where torch's oneDNN has no bf16 at all the layers stay on cpu_opt's oneDNN, and say why."""
+    from cpu_opt.backends.torch_onednn import TORCH_LINEAR, TORCH_LINEAR_BINARY, bf16_linear_runs
+
+    orig = routing.table_route
+
+    def to_torch(work, dtype, info=None, **kw):
+        r = orig(work, dtype, info, **kw)
+        return routing.Route(work, dtype, "torch_onednn", "forced") if work == "linear" and dtype == "bf16" else r
+
+    monkeypatch.setattr(routing, "table_route", to_torch)
+    torch.manual_seed(0)
+    m = PostOps().eval()
+    x = torch.randn(1, 20, 32)
+    opt = cpu_opt.optimize(m, x, dtype="bf16")
+    ref16 = [o.float() for o in m.to(torch.bfloat16)(x.bfloat16())]
+    m.float()
+    with torch.no_grad():
+        got, ref = opt(x), m(x)
+    for g, r16, r in zip(got, ref16, ref):
+        assert _rel(g.float(), r16) < 3e-2 and _rel(g.float(), r) < 3e-2
+    plan = next(iter(opt._plans.values()))
+    nodes = [n for n in plan.program.graph.nodes if n.op == "call_function"]
+    lin = [n for n in nodes if n.target is TORCH_LINEAR]
+    if not bf16_linear_runs():
+        assert not lin
+        return
+    attrs = sorted((n.args[3], n.args[5]) for n in lin)
+    assert attrs == sorted([("gelu", "none"), ("relu", ""), ("swish", ""), ("gelu", "tanh"), ("none", ""), ("none", "")])
+    binary = [n for n in nodes if n.target is TORCH_LINEAR_BINARY]
+    assert len(binary) == 1 and binary[0].args[4] == "add"
+    assert all(n.args[1].op == "get_attr" for n in lin)  # the packed weights: constants of the plan
+    aten = torch.ops.aten
+    # the kept layer's ReLU and the broadcast add stay separate ops (in torch or a partition)
+    assert not any(n.target in (aten.gelu.default, aten.silu.default) for n in nodes)
+    rep = opt.report()
+    assert sum(r["route"] == "torch_onednn" for r in rep["routed"]) == 7

@@ -8,7 +8,7 @@ import torch.fx
 
 from ... import native
 from ...backends import mkl, native_linear
-from ...backends.torch_onednn import TORCH_LINEAR, packed_linear_weight
+from ...backends.torch_onednn import TORCH_LINEAR, TORCH_LINEAR_BINARY, bf16_linear_runs, packed_linear_weight
 from .fx import NotConstant, add_constant, drop_unused_constants, get_constant, mutated_state, node_value, replace_node
 
 aten = torch.ops.aten
@@ -104,7 +104,8 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
 
     Each layer records ``(backend, why)`` in ``node.meta["cpu_opt_route"]``: ``onednn`` stays for
     lowering into oneDNN Graph partitions; ``torch_onednn`` becomes ``mkldnn._linear_pointwise(x, W,
-    b)`` with ``W`` an (N, K) buffer (fp32 only); ``native`` becomes cpu_opt's GEMV
+    b)`` with ``W`` packed for the layer's row count (fp32; bf16 where torch's oneDNN has native bf16,
+    its activation or residual add then fused: :func:`fuse_torch_linear_post_ops`); ``native`` becomes cpu_opt's GEMV
     (:func:`cpu_opt.backends.native_linear.linear`, the weight in the model's layout); ``torch`` stays
     the ATen op, run by torch."""
     from ...platform import routing
@@ -127,8 +128,8 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
             backend = min(t, key=t.get)
             why = "measured on this shape: " + ", ".join(f"{_MEASURED_NAMES.get(k, k)} {v * 1e3:.3f} ms"
                                                          for k, v in t.items())
-        if backend == "torch_onednn" and dtype != "fp32":
-            backend, why = "onednn", f"torch's oneDNN linear is wired for fp32 only; {why}"
+        if backend == "torch_onednn" and dtype == "bf16" and not bf16_linear_runs():
+            backend, why = "onednn", f"torch's oneDNN has no native bf16 linear here; {why}"
         if backend == "mkl" and (dtype != "fp32" or not mkl.available()):
             backend, why = "onednn", (f"MKL's packed GEMM is fp32 only and needs torch's MKL "
                                       f"({'not built in' if not mkl.available() else dtype}); {why}")
@@ -163,13 +164,67 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
         return []
     gm.graph.eliminate_dead_code()
     drop_unused_constants(gm)
+    fused = fuse_torch_linear_post_ops(gm) if dtype == "bf16" else 0
     gm.recompile()
     how = "measured per shape" if measure else "routing"
-    parts = [f"{moved} linear layer(s) on torch's oneDNN 3.12"] if moved else []
+    parts = [f"{moved} linear layer(s) on torch's oneDNN 3.12" + (f" ({fused} with their activation or residual "
+                                                                  f"add fused)" if fused else "")] if moved else []
     parts += [f"{mkl_moved} on MKL's packed GEMM"] if mkl_moved else []
     parts += [f"{in_torch} in torch's own kernels"] if in_torch else []
     parts += [f"{gemv} GEMV(s) on cpu_opt's native kernel"] if gemv else []
     return [", ".join(parts) + f", {kept} on cpu_opt's oneDNN ({how})"]
+
+
+# activations torch's oneDNN linear fuses: aten op -> (attr, algorithm)
+_TORCH_LINEAR_ACT = {aten.relu.default: "relu", aten.silu.default: "swish", aten.gelu.default: "gelu"}
+
+
+def fuse_torch_linear_post_ops(gm: torch.fx.GraphModule) -> int:
+    """A bf16 linear layer on torch's oneDNN (``mkldnn._linear_pointwise``, no post-op yet) whose only
+    reader is a ReLU, SiLU or GELU (erf or tanh) takes it as its post-op; one whose only reader adds a
+    tensor of its own shape and dtype (a residual) becomes ``_linear_pointwise.binary(x, other, W, b,
+    "add")``. One pass over the output instead of two: the sum is rounded to bf16 once (eager rounds
+    the GEMM's output, then the sum). Returns how many layers took a post-op."""
+    done = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target != TORCH_LINEAR or len(n.users) != 1 or n.args[3] != "none":
+            continue
+        v = node_value(n)
+        if not isinstance(v, torch.Tensor) or v.dtype != torch.bfloat16:
+            continue
+        u = next(iter(u for u in n.users))
+        x, w, b = n.args[:3]
+        if u.op != "call_function":
+            continue
+        if u.target in _TORCH_LINEAR_ACT and u.args[0] is n and len(u.args) <= 2 and \
+                set(u.kwargs) <= ({"approximate"} if u.target == aten.gelu.default else set()):
+            algo = ""
+            if u.target == aten.gelu.default:
+                algo = u.kwargs.get("approximate", u.args[1] if len(u.args) > 1 else "none")
+            elif len(u.args) > 1:
+                continue  # relu / silu take one argument
+            args = (x, w, b, _TORCH_LINEAR_ACT[u.target], [], algo)
+            target = TORCH_LINEAR
+        elif u.target == aten.add.Tensor and len(u.args) == 2 and not u.kwargs and n in u.args:
+            other = u.args[1] if u.args[0] is n else u.args[0]
+            vo, vu = node_value(other), node_value(u)
+            if other is n or not isinstance(vo, torch.Tensor) or vo.shape != v.shape or vo.dtype != v.dtype or \
+                    not isinstance(vu, torch.Tensor) or vu.shape != v.shape or vu.dtype != v.dtype:
+                continue
+            args, target = (x, other, w, b, "add"), TORCH_LINEAR_BINARY
+        else:
+            continue
+        with gm.graph.inserting_before(u):
+            new = gm.graph.call_function(target, args)
+        new.meta = dict(u.meta)
+        new.meta["cpu_opt_route"] = n.meta.get("cpu_opt_route")
+        name = n.name
+        u.replace_all_uses_with(new)
+        gm.graph.erase_node(u)
+        gm.graph.erase_node(n)
+        new._rename(name)
+        done += 1
+    return done
 
 
 def merge_parallel_linears(gm: torch.fx.GraphModule) -> list[str]:
