@@ -65,6 +65,26 @@ class StructureDispatch:
         return [opt.report() for _, opt in self._plans]
 
 
+def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with its floating parameters and buffers in bf16 (``model.to(torch.bfloat16)``
+    without touching ``model`` and without a float32 copy first): what a bf16 ``generate`` runs, so the
+    KV cache Hugging Face allocates for it, and the cache tensors its forward creates, are bf16 like
+    the plan's activations (a float32 cache cannot take the bf16 keys and values written into it)."""
+    import copy
+
+    memo = {}
+    for p in model.parameters():
+        if p.is_floating_point() and id(p) not in memo:
+            memo[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False)
+    for b in model.buffers():
+        if b.is_floating_point() and id(b) not in memo:
+            memo[id(b)] = b.detach().to(torch.bfloat16)
+    m = copy.deepcopy(model, memo)
+    if hasattr(m, "config") and hasattr(m.config, "dtype"):
+        m.config.dtype = torch.bfloat16
+    return m
+
+
 def generate(model: torch.nn.Module, *args, dispatch: StructureDispatch | None = None, **kwargs):
     """``model.generate(*args, **kwargs)`` with its forward calls optimized (see the module docstring).
     ``dispatch`` keeps the plans between calls (``OptimizedModule.generate`` passes its own)."""

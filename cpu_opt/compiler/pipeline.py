@@ -398,18 +398,21 @@ class OptimizedModule(torch.nn.Module):
     def generate(self, *args, **kwargs):
         """For a Hugging Face causal LM: its ``generate()`` with every forward call optimized (one
         plan per call structure: prefill, decode; a static KV cache by default, so the decode shapes
-        never change). Same tokens as eager's ``generate`` with the same arguments."""
-        from .generate import StructureDispatch, generate
+        never change). Same tokens as eager's ``generate`` with the same arguments; in bf16, those of
+        the model cast to bf16 (``model.to(torch.bfloat16)``), which is what generates here: HF's KV
+        cache then holds bf16 like every other tensor of the plans."""
+        from .generate import StructureDispatch, bf16_copy, generate
 
         with self._lock:
             d = getattr(self, "_generation", None)
             if d is None:
+                self._generation_model = bf16_copy(self._model[0]) if self.dtype == "bf16" else self._model[0]
                 opts = {"dtype": self.dtype, "validate": self._options.get("validate", True),
                         "max_shapes": self._options.get("max_shapes", MAX_SHAPES)}
                 if self.dtype == "int8":  # every call structure reuses this model's calibration
                     opts["_int8_state"] = self._options["int8"][1]
-                d = self._generation = StructureDispatch(self._model[0], opts)
-        return generate(self._model[0], *args, dispatch=d, **kwargs)
+                d = self._generation = StructureDispatch(self._generation_model, opts)
+        return generate(self._generation_model, *args, dispatch=d, **kwargs)
 
     # ------------------------------------------------------------------ reporting
     def report(self) -> dict:

@@ -50,11 +50,12 @@ def copies(tree):
 
 
 def cast_inputs_outputs(gm: torch.fx.GraphModule, dtype: torch.dtype, out_dtypes: list) -> None:
-    """Cast floating graph inputs to ``dtype`` after the placeholders and outputs back to the
-    model's own dtypes."""
+    """Cast floating graph inputs to ``dtype`` after the placeholders (those not in ``dtype`` already)
+    and outputs back to the model's own dtypes."""
     g = gm.graph
     for n in list(g.nodes):
-        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point():
+        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point() \
+                and n.meta["val"].dtype != dtype:  # one already in dtype (a bf16 KV cache) is used, and written, as it is
             with g.inserting_after(n):
                 c = g.call_function(aten._to_copy.default, (n,), {"dtype": dtype})
             n.replace_all_uses_with(c, delete_user_cb=lambda u: u is not c)
@@ -144,6 +145,7 @@ def build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbos
     if dtype == "bf16":
         log += passes.cast_params(gm, torch.bfloat16)
         cast_inputs_outputs(gm, torch.bfloat16, out_dtypes)
+        log += passes.match_operand_dtypes(gm, flat_in)
         _propagate_shapes(gm, flat_in)
     log += passes.route_attention(gm, dtype, int8=int8_graph)
     log += passes.shared_masks(gm)

@@ -46,6 +46,41 @@ def test_generate_gives_eager_tokens(name):
     assert torch.equal(again, ref[:, :18]) and len(d._plans) == 2
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_bf16_generate_runs_the_model_in_bf16_with_a_bf16_cache(name):
+    """dtype="bf16" (what "auto" means on CPUs with native bf16): generate runs a bf16 copy of the
+    model, so HF's static cache and the cache tensors the prefill creates are bf16 (a float32 cache
+    cannot take the plan's bf16 keys and values: index_copy_ refused them). Each token is the argmax of
+    the model cast to bf16 and run eagerly (up to bf16 near-ties), and the user's model keeps its
+    float32 weights. Llama's float32 RMSNorm and RoPE meet bf16 operands: autocast's casts."""
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)
+    prompt = torch.randint(1, 500, (1, 10), generator=torch.Generator().manual_seed(1))
+    opt = cpu_opt.optimize(model, {"input_ids": prompt}, dtype="bf16")
+    out = opt.generate(prompt, max_new_tokens=16, do_sample=False)
+    import copy
+
+    m16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert out.shape == (1, 26) and torch.equal(out[:, :10], prompt)
+    # greedy decoding of random weights diverges at the first near-tie, so the tokens are checked one
+    # by one: each is the bf16 eager model's argmax at its position (teacher-forced on cpu_opt's
+    # sequence), up to a near-tie; a lost cache write or a wrong position would miss by logits' units
+    with torch.no_grad():
+        logits = m16(out).logits[0, 9:-1].float()
+    gap = logits.max(1).values - logits.gather(1, out[0, 10:, None])[:, 0]
+    assert (gap <= 0.05 * logits.std(1)).all(), (gap.tolist(), out.tolist())
+    assert len(set(out[0, 10:].tolist())) > 3
+    d = opt._generation
+    assert len(d._plans) == 2
+    for rep in d.reports():
+        assert rep["validation"]["ok"] and "fell_back" not in rep["validation"]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert d.model is not model and next(d.model.parameters()).dtype == torch.bfloat16
+
+
 def test_generate_refuses_models_without_generate():
     m = torch.nn.Linear(4, 4).eval()
     opt = cpu_opt.optimize(m, torch.randn(2, 4), dtype="fp32")

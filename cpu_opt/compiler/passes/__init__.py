@@ -13,6 +13,8 @@ Each pass takes a GraphModule, rewrites it in place and returns a short log of w
 * :func:`tanh_gelu` — the tanh GELU written out op by op (GPT-2) becomes one ``aten.gelu``
 * :func:`residual_add_after_view` — a residual add after a GEMM's view moves before the view
 * :func:`cast_params` — floating parameters and buffers converted once (bf16)
+* :func:`match_operand_dtypes` — float32 operands meeting bf16 ones in a GEMM, attention or in-place
+  write cast as autocast would (what a model computes in float32 on purpose: RMSNorm, RoPE)
 * :func:`merge_parallel_linears` — linear layers reading one input (query, key, value) as one GEMM
   whose output they slice (float graphs; the int8 pass merges its own)
 * :func:`route_linears` — GEMMs on constant weights whose route is ``torch_onednn`` become calls to
@@ -35,11 +37,11 @@ from .attention import route_attention, shared_masks
 from .canonical import residual_add_after_view, tanh_gelu
 from .cleanup import drop_dropout, remove_noops
 from .eltwise import route_gelu
-from .fold import cast_params, fold_batchnorm, fold_constants, fold_linear_scale
+from .fold import cast_params, fold_batchnorm, fold_constants, fold_linear_scale, match_operand_dtypes
 from .fx import mutated_state, storage_root, writes_in_place
 from .linear import linear_operands, measure_linear, merge_parallel_linears, route_linears
 
-__all__ = ["DEFAULT_PASSES", "cast_params", "drop_dropout", "fold_batchnorm", "fold_constants", "fold_linear_scale",
+__all__ = ["DEFAULT_PASSES", "cast_params", "match_operand_dtypes", "drop_dropout", "fold_batchnorm", "fold_constants", "fold_linear_scale",
            "linear_operands",
            "measure_linear", "merge_parallel_linears", "mutated_state", "remove_noops", "route_attention", "route_gelu", "route_linears", "run_passes", "shared_masks",
            "residual_add_after_view", "storage_root", "tanh_gelu", "writes_in_place"]

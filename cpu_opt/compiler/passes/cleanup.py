@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .fx import ASSERTS, node_value, replace_node, storage_root, writes_in_place
+from .fx import ASSERTS, asserted_float32_state, node_value, region_graphs, replace_node, storage_root, writes_in_place
 
 aten = torch.ops.aten
 
@@ -31,6 +31,14 @@ def drop_dropout(gm: torch.fx.GraphModule) -> list[str]:
 
 def remove_noops(gm: torch.fx.GraphModule) -> list[str]:
     removed = 0
+    # what the asserts say the model reads as float32 (cast_params keeps it so), before they go
+    gm.meta.setdefault("cpu_opt_float32_state", set()).update(asserted_float32_state(gm))
+    for sub, _ in region_graphs(gm):  # asserts inside regions (a bf16 plan would trip them)
+        for n in list(sub.graph.nodes):
+            if n.op == "call_function" and n.target in ASSERTS and not n.users:
+                sub.graph.erase_node(n)
+                removed += 1
+        sub.recompile()
     # a copy that an in-place op writes into (or whose source one writes into) is what keeps the
     # two apart: it is not a no-op, whatever its shape
     written = {storage_root(w) for n in gm.graph.nodes for w in writes_in_place(n)}

@@ -208,9 +208,11 @@ def cast_params(gm: torch.fx.GraphModule, dtype: torch.dtype) -> list[str]:
     """Convert every floating parameter/buffer to ``dtype`` once, except the affine weight and bias
     of LayerNorms, which stay fp32: oneDNN Graph 3.2 takes a bf16 LayerNorm only with fp32 gamma and
     beta (with bf16 ones it returns the op as an unsupported partition, and the 25 LayerNorms of
-    BERT-base ran in torch), and torch's layer_norm takes that mix too."""
+    BERT-base ran in torch), and torch's layer_norm takes that mix too; and the state the model reads
+    as float32 itself (``remove_noops`` notes it from export's dtype asserts: Llama's RoPE
+    ``inv_freq``, whose angles the model computes in float32 with autocast off)."""
     n = 0
-    keep = _layer_norm_affine(gm) if dtype == torch.bfloat16 else set()
+    keep = _layer_norm_affine(gm) | set(gm.meta.get("cpu_opt_float32_state", ())) if dtype == torch.bfloat16 else set()
     for prefix, mod in gm.named_modules():
         for name, p in list(mod.named_parameters(recurse=False)):
             if f"{prefix}.{name}".lstrip(".") in keep:
@@ -225,3 +227,65 @@ def cast_params(gm: torch.fx.GraphModule, dtype: torch.dtype) -> list[str]:
                 mod._buffers[name] = b.to(dtype)
                 n += 1
     return [f"cast {n} parameter/buffer tensor(s) to {dtype}"] if n else []
+
+
+# ops whose floating operands must share a dtype (autocast's lower-precision list, the ones models use)
+_SAME_DTYPE = {aten.linear.default: 3, aten.addmm.default: 3, aten.mm.default: 2, aten.bmm.default: 2,
+               aten.matmul.default: 2, aten.baddbmm.default: 3, aten.scaled_dot_product_attention.default: 3,
+               aten.conv1d.default: 3, aten.conv2d.default: 3}
+# in-place writes: the position of the value written (cast to the destination's dtype)
+_WRITTEN = {aten.index_copy_.default: 3, aten.index_copy.default: 3, aten.index_put_.default: 2,
+            aten.index_put.default: 2, aten.slice_scatter.default: 1, aten.select_scatter.default: 1}
+
+
+def match_operand_dtypes(gm: torch.fx.GraphModule, flat_in, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """In a graph cast to ``dtype``, what the model computes in float32 by its own choice (RMSNorm's
+    ``x.to(torch.float32)``, RoPE angles in ``autocast(enabled=False)``: the trace wrote ``.to(x.dtype)``
+    back as float32, a no-op then) meets bf16 operands. As ``torch.autocast`` would, a GEMM, convolution
+    or attention with mixed floating operands casts its float32 ones to ``dtype``, and an in-place write
+    (a KV cache's ``index_copy_``) casts the value to its destination's dtype. Runs the graph on fake
+    tensors to see the dtypes (no compute). Llama in bf16 failed without it (SDPA with float32 q/k and
+    bf16 v, linear layers with a float32 input)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graph = gm.graph
+    inserted = 0
+
+    def cast(n, i, a, to, env):
+        nonlocal inserted
+        with graph.inserting_before(n):
+            c = graph.call_function(aten._to_copy.default, (a,), {"dtype": to})
+        env[c] = env[a].to(to)
+        n.update_arg(i, c)
+        inserted += 1
+
+    class _Match(torch.fx.Interpreter):
+        def run_node(self, n):
+            if n.op == "call_function" and (n.target in _SAME_DTYPE or n.target in _WRITTEN):
+                def fl(a):
+                    v = self.env.get(a) if isinstance(a, torch.fx.Node) else None
+                    return v if isinstance(v, torch.Tensor) and v.is_floating_point() else None
+                if n.target in _SAME_DTYPE:
+                    ops = [(i, a) for i, a in enumerate(n.args[:_SAME_DTYPE[n.target]]) if fl(a) is not None]
+                    dts = {fl(a).dtype for _, a in ops}
+                    if dtype in dts and len(dts) > 1:
+                        for i, a in ops:
+                            if fl(a).dtype == torch.float32:
+                                cast(n, i, a, dtype, self.env)
+                else:
+                    i = _WRITTEN[n.target]
+                    dst, src = fl(n.args[0]), fl(n.args[i]) if len(n.args) > i else None
+                    if dst is not None and src is not None and dst.dtype != src.dtype:
+                        cast(n, i, n.args[i], dst.dtype, self.env)
+            return super().run_node(n)
+
+    with torch.no_grad():
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake_in = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in flat_in]
+        with mode:
+            _Match(gm).run(*fake_in)
+    if not inserted:
+        return []
+    gm.recompile()
+    return [f"{inserted} float32 operand(s) cast to {dtype} where a GEMM, attention or in-place write meets {dtype} "
+            f"(autocast's rule)"]

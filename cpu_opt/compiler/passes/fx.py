@@ -11,6 +11,44 @@ ASSERTS = {aten._assert_tensor_metadata.default, aten._assert_async.msg, aten._a
            aten.sym_constrain_range_for_size.default}
 
 
+def region_graphs(gm: torch.fx.GraphModule):
+    """``(submodule, operands)`` for every region a higher-order op runs (``wrap_with_set_grad_enabled``,
+    ``wrap_with_autocast``: export's form of a ``torch.no_grad()`` / ``torch.autocast(enabled=False)``
+    block in the model's code): the region's GraphModule and the outer nodes bound to its
+    placeholders, in order."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.HigherOrderOperator):
+            continue
+        for i, a in enumerate(n.args):
+            if isinstance(a, torch.fx.Node) and a.op == "get_attr":
+                sub = getattr(gm, a.target, None)
+                if isinstance(sub, torch.fx.GraphModule):
+                    yield sub, list(n.args[i + 1:])
+                    break
+
+
+def asserted_float32_state(gm: torch.fx.GraphModule) -> set:
+    """Names of the parameters / buffers the model's code reads as float32 by its own choice: an
+    ``_assert_tensor_metadata(t, dtype=float32)`` on them (export writes one for ``t.float()`` /
+    ``t.to(torch.float32)``) in the graph or in a region it runs (a RoPE's ``inv_freq`` inside
+    ``autocast(enabled=False)``)."""
+    out = set()
+
+    def scan(graph, bound):
+        for n in graph.nodes:
+            if n.op == "call_function" and n.target == aten._assert_tensor_metadata.default and \
+                    n.kwargs.get("dtype") == torch.float32 and isinstance(n.args[0], torch.fx.Node):
+                src = bound.get(n.args[0], n.args[0])
+                if isinstance(src, torch.fx.Node) and src.op == "get_attr":
+                    out.add(src.target)
+
+    scan(gm.graph, {})
+    for sub, operands in region_graphs(gm):
+        phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        scan(sub.graph, dict(zip(phs, operands)))
+    return out
+
+
 def node_value(n):
     return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
 
