@@ -13,6 +13,10 @@ eager's. Prompt 32 tokens, 32 new tokens, batch 1 (--prompt, --new-tokens, --rep
 ``quant.quantize_dynamic`` (int8 weights, per-call activations; GPT-2's Conv1D layers included)
 then ``optimize``. Their tokens are not expected to equal fp32 eager's: the column says what
 fraction of the generated tokens agree.
+
+``--bf16`` adds the bf16 forms: eager and torch.compile on the model cast to bf16
+(``model.to(torch.bfloat16)``, HF's static cache then bf16 too) and ``cpu_opt.optimize(model,
+dtype="bf16").generate`` (which runs such a copy); their agreement with fp32 eager's tokens is stated.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ def main(quick: bool = False, argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3 if quick else 5)
     ap.add_argument("--skip-compile", action="store_true")
     ap.add_argument("--int8", action="store_true", help="also cpu_opt's int8 forms")
+    ap.add_argument("--bf16", action="store_true", help="also the bf16 forms (eager, torch.compile, cpu_opt)")
     args, _ = ap.parse_known_args(argv or [])
     warnings.filterwarnings("ignore")
     model, cfg = _model(quick)
@@ -58,7 +63,7 @@ def main(quick: bool = False, argv=None) -> None:
     # the Zen 3's tables are generate.json / generate_int8.json; other CPUs write their own files
     slug = machine_slug()
     suffix = "" if slug == "zen_3" else f"_{slug}"
-    rep = Report(("generate_quick" if quick else "generate") + ("_int8" if args.int8 else "") + suffix, model="GPT2LMHeadModel " + ("small" if quick else "124M"),
+    rep = Report(("generate_quick" if quick else "generate") + ("_int8" if args.int8 else "") + ("_bf16" if args.bf16 else "") + suffix, model="GPT2LMHeadModel " + ("small" if quick else "124M"),
                  prompt=args.prompt, new_tokens=args.new_tokens)
 
     with torch.no_grad():
@@ -97,6 +102,43 @@ def main(quick: bool = False, argv=None) -> None:
                   f"{od.report().get('capture_notes', '')[:200]}")
         new = slice(args.prompt, None)
         for k, o in outs:
+            same[k] = bool(torch.equal(o, ref))
+            agree[k] = float((o[:, new] == ref[:, new]).float().mean())
+
+    if args.bf16:
+        import copy
+
+        m16 = copy.deepcopy(model).to(torch.bfloat16)
+
+        def eager16():
+            with torch.no_grad():
+                return m16.generate(prompt, **kw)
+
+        runners["eager_bf16"] = eager16
+        t0 = time.perf_counter()
+        ob = cpu_opt.optimize(model, {"input_ids": prompt}, dtype="bf16")
+        outb = ob.generate(prompt, **kw)
+        build["cpu_opt_bf16"] = time.perf_counter() - t0
+        runners["cpu_opt_bf16"] = lambda: ob.generate(prompt, **kw)
+        outs16 = [("eager_bf16", eager16()), ("cpu_opt_bf16", outb)]
+        if not args.skip_compile:
+            import torch._inductor.config as inductor_config
+
+            c16 = copy.deepcopy(m16)
+            inductor_config.freezing = True
+            c16.forward = torch.compile(c16.forward, dynamic=False)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                outs16.append(("torch.compile_bf16", c16.generate(prompt, **kw)))
+            build["torch.compile_bf16"] = time.perf_counter() - t0
+
+            def compiled16():
+                with torch.no_grad():
+                    return c16.generate(prompt, **kw)
+
+            runners["torch.compile_bf16"] = compiled16
+        new = slice(args.prompt, None)
+        for k, o in outs16:
             same[k] = bool(torch.equal(o, ref))
             agree[k] = float((o[:, new] == ref[:, new]).float().mean())
 
