@@ -369,9 +369,12 @@ class LoweredGraph:
 # 3.2's jit:uni kernel), 16 us as aten.layer_norm; int8 BERT-base 22.5 -> 21.6 ms a call, fp32 BERT-base
 # 86.7 -> 85.4, bf16 level (A/B in one process). Other lone ops stay partitions: lone adds in torch too
 # gained fp32 BERT-base another 3% but left models whose linears all route to MKL with no partition.
-ONE_OP_IN_TORCH = {aten.layer_norm.default, aten.native_layer_norm.default}
+# A lone mean (a classifier's global pooling) too: ConvNeXt-T's 1 x 768 x 7 x 7 bf16 mean took 714 us as
+# a partition (oneDNN 3.2's reduction on that layout), 16 us in torch.
+ONE_OP_IN_TORCH = {aten.layer_norm.default, aten.native_layer_norm.default, aten.mean.dim}
 ONE_OP_PARTITION = ("a partition of this one op would fuse nothing: torch's kernel is faster than a partition "
-                    "step's per-call cost (128 x 768 LayerNorm: 16 vs 80 us)")
+                    "step's per-call cost (128 x 768 LayerNorm: 16 vs 80 us; ConvNeXt-T's pooling mean over "
+                    "1 x 768 x 7 x 7 bf16: 16 vs 714 us)")
 
 
 def _tensor_args(n: torch.fx.Node) -> list[torch.fx.Node]:

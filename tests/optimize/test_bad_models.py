@@ -331,6 +331,30 @@ def test_a_lone_layer_norm_runs_in_torch_and_is_reported():
         assert rep["num_partitions"] >= 1
 
 
+class LoneMean(nn.Module):
+    """A classifier's global pooling (a mean over the spatial dimensions, nothing to fuse with)
+    beside a partition of several ops."""
+
+    def forward(self, x):
+        return x.mean([-2, -1]), torch.relu(x * 2.0 + 1.0) - 0.5
+
+
+def test_a_lone_mean_runs_in_torch_and_is_reported():
+    """A partition of one mean fuses nothing (ConvNeXt-T's pooling: 714 us as a oneDNN 3.2 partition,
+    16 in torch): it runs in torch, reported, with eager's numbers."""
+    m = LoneMean().eval()
+    x = torch.randn(2, 8, 7, 7)
+    opt = cpu_opt.optimize(m, x, dtype="fp32")
+    for a, b in zip(opt(x), m(x)):
+        assert _close(a, b.detach())
+    rep = opt.report()
+    assert not any("ReduceMean" in p["ops"] for p in rep["partitions"])
+    if onednn_graph_used():
+        lone = [r for r in rep["routed"] if r["op"] == "aten.mean.dim"]
+        assert len(lone) == 1 and lone[0]["route"] == "torch" and "fuse nothing" in lone[0]["why"], rep["routed"]
+        assert rep["num_partitions"] >= 1
+
+
 class GeluMLP(nn.Module):
     def __init__(self):
         super().__init__()

@@ -249,6 +249,49 @@ class PostOps(nn.Module):
         return torch.relu(kept), kept, self.g(t) + self.shift          # broadcast add: not fused
 
 
+class PermutedResidual(nn.Module):
+    """ConvNeXt's block end: a linear layer over channels-last activations, permuted back to NCHW,
+    plus the block's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def _to_torch_onednn(monkeypatch):
+    orig = routing.table_route
+
+    def to_torch(work, dtype, info=None, **kw):
+        r = orig(work, dtype, info, **kw)
+        return routing.Route(work, dtype, "torch_onednn", "forced") if work == "linear" and dtype == "bf16" else r
+
+    monkeypatch.setattr(routing, "table_route", to_torch)
+
+
+def test_bf16_linear_takes_a_residual_added_after_a_permute(monkeypatch):
+    """linear -> permute -> + residual becomes the linear with a binary add of the residual permuted
+    the linear's way (a view), the sum permuted back: no separate add; eager's answer within bf16."""
+    from cpu_opt.backends.torch_onednn import TORCH_LINEAR_BINARY, bf16_linear_runs
+
+    _to_torch_onednn(monkeypatch)
+    torch.manual_seed(0)
+    m = PermutedResidual().eval()
+    x = torch.randn(2, 16, 5, 5)
+    opt = cpu_opt.optimize(m, x, dtype="bf16")
+    with torch.no_grad():
+        assert _rel(opt(x), m(x)) < 3e-2
+        x2 = torch.randn(2, 16, 5, 5).contiguous(memory_format=torch.channels_last)
+        assert _rel(opt(x2), m(x2)) < 3e-2
+    nodes = [n for n in next(iter(opt._plans.values())).program.graph.nodes if n.op == "call_function"]
+    if not bf16_linear_runs():
+        return
+    assert sum(n.target is TORCH_LINEAR_BINARY for n in nodes) == 1
+    assert not any(n.target == torch.ops.aten.add.Tensor for n in nodes)
+
+
 def test_bf16_linears_on_torch_onednn_fuse_activation_and_residual(monkeypatch):
     """bf16 linear layers routed to torch's oneDNN (the table's route with AMX; forced here, so every
     CPU runs it) run on weights packed for their rows, with the GELU (erf, tanh), ReLU, SiLU or
@@ -257,13 +300,7 @@ def test_bf16_linears_on_torch_onednn_fuse_activation_and_residual(monkeypatch):
     Where torch's oneDNN has no bf16 at all the layers stay on cpu_opt's oneDNN, and say why."""
     from cpu_opt.backends.torch_onednn import TORCH_LINEAR, TORCH_LINEAR_BINARY, bf16_linear_runs
 
-    orig = routing.table_route
-
-    def to_torch(work, dtype, info=None, **kw):
-        r = orig(work, dtype, info, **kw)
-        return routing.Route(work, dtype, "torch_onednn", "forced") if work == "linear" and dtype == "bf16" else r
-
-    monkeypatch.setattr(routing, "table_route", to_torch)
+    _to_torch_onednn(monkeypatch)
     torch.manual_seed(0)
     m = PostOps().eval()
     x = torch.randn(1, 20, 32)

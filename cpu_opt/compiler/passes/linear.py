@@ -175,6 +175,13 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
     return [", ".join(parts) + f", {kept} on cpu_opt's oneDNN ({how})"]
 
 
+def _same_value(a, b) -> bool:
+    """Do nodes ``a`` and ``b`` hold tensors of one shape and dtype?"""
+    va, vb = node_value(a), node_value(b)
+    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape and \
+        va.dtype == vb.dtype
+
+
 # activations torch's oneDNN linear fuses: aten op -> (attr, algorithm)
 _TORCH_LINEAR_ACT = {aten.relu.default: "relu", aten.silu.default: "swish", aten.gelu.default: "gelu"}
 
@@ -183,8 +190,10 @@ def fuse_torch_linear_post_ops(gm: torch.fx.GraphModule) -> int:
     """A bf16 linear layer on torch's oneDNN (``mkldnn._linear_pointwise``, no post-op yet) whose only
     reader is a ReLU, SiLU or GELU (erf or tanh) takes it as its post-op; one whose only reader adds a
     tensor of its own shape and dtype (a residual) becomes ``_linear_pointwise.binary(x, other, W, b,
-    "add")``. One pass over the output instead of two: the sum is rounded to bf16 once (eager rounds
-    the GEMM's output, then the sum). Returns how many layers took a post-op."""
+    "add")``, also where the output is permuted before the add (ConvNeXt: the residual is permuted
+    the other way, a view, and the sum permuted back). One pass over the output instead of two: the
+    sum is rounded to bf16 once (eager rounds the GEMM's output, then the sum). Returns how many
+    layers took a post-op."""
     done = 0
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target != TORCH_LINEAR or len(n.users) != 1 or n.args[3] != "none":
@@ -207,11 +216,37 @@ def fuse_torch_linear_post_ops(gm: torch.fx.GraphModule) -> int:
             target = TORCH_LINEAR
         elif u.target == aten.add.Tensor and len(u.args) == 2 and not u.kwargs and n in u.args:
             other = u.args[1] if u.args[0] is n else u.args[0]
-            vo, vu = node_value(other), node_value(u)
-            if other is n or not isinstance(vo, torch.Tensor) or vo.shape != v.shape or vo.dtype != v.dtype or \
-                    not isinstance(vu, torch.Tensor) or vu.shape != v.shape or vu.dtype != v.dtype:
+            if not _same_value(other, n) or not _same_value(u, n):
                 continue
             args, target = (x, other, w, b, "add"), TORCH_LINEAR_BINARY
+        elif u.target == aten.permute.default and len(u.users) == 1:
+            # ConvNeXt's block: linear (channels last) -> permute back -> + residual. The residual,
+            # permuted the linear's way (a view), is the post-op's operand; the sum is permuted back.
+            add = next(iter(u.users))
+            dims = list(u.args[1])
+            if add.op != "call_function" or add.target != aten.add.Tensor or len(add.args) != 2 or add.kwargs or \
+                    u not in add.args or add.args[0] is add.args[1] or not _same_value(add, u):
+                continue
+            other = add.args[1] if add.args[0] is u else add.args[0]
+            if not _same_value(other, u):
+                continue
+            inv = [dims.index(d) for d in range(len(dims))]
+            with gm.graph.inserting_before(add):
+                other_t = gm.graph.call_function(aten.permute.default, (other, inv))
+                fused = gm.graph.call_function(TORCH_LINEAR_BINARY, (x, other_t, w, b, "add"))
+                back = gm.graph.call_function(aten.permute.default, (fused, dims))
+            vo = node_value(other)
+            other_t.meta["val"] = vo.permute(inv)
+            fused.meta = dict(n.meta)
+            back.meta = dict(add.meta)
+            back.meta["val"] = fused.meta["val"].permute(dims)
+            name = n.name
+            add.replace_all_uses_with(back)
+            for dead in (add, u, n):
+                gm.graph.erase_node(dead)
+            fused._rename(name)
+            done += 1
+            continue
         else:
             continue
         with gm.graph.inserting_before(u):
