@@ -184,11 +184,26 @@ def _same_value(a, b) -> bool:
 
 # activations torch's oneDNN linear fuses: aten op -> (attr, algorithm)
 _TORCH_LINEAR_ACT = {aten.relu.default: "relu", aten.silu.default: "swish", aten.gelu.default: "gelu"}
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _activation(u: torch.fx.Node, src: torch.fx.Node):
+    """``(attr, [], algorithm)`` of torch's oneDNN linear for the activation ``u`` applies to ``src``
+    (ReLU, SiLU, erf or tanh GELU), or ``None``."""
+    if u.op != "call_function" or u.target not in _TORCH_LINEAR_ACT or not u.args or u.args[0] is not src:
+        return None
+    if u.target == aten.gelu.default:
+        if len(u.args) > 2 or set(u.kwargs) - {"approximate"}:
+            return None
+        return "gelu", [], u.kwargs.get("approximate", u.args[1] if len(u.args) > 1 else "none")
+    if len(u.args) > 1 or u.kwargs:
+        return None
+    return _TORCH_LINEAR_ACT[u.target], [], ""
 
 
 def fuse_torch_linear_post_ops(gm: torch.fx.GraphModule) -> int:
     """A bf16 linear layer on torch's oneDNN (``mkldnn._linear_pointwise``, no post-op yet) whose only
-    reader is a ReLU, SiLU or GELU (erf or tanh) takes it as its post-op; one whose only reader adds a
+    reader is a ReLU, SiLU or GELU (erf or tanh), directly or through a view, takes it as its post-op; one whose only reader adds a
     tensor of its own shape and dtype (a residual) becomes ``_linear_pointwise.binary(x, other, W, b,
     "add")``, also where the output is permuted before the add (ConvNeXt: the residual is permuted
     the other way, a view, and the sum permuted back). One pass over the output instead of two: the
@@ -205,15 +220,19 @@ def fuse_torch_linear_post_ops(gm: torch.fx.GraphModule) -> int:
         x, w, b = n.args[:3]
         if u.op != "call_function":
             continue
-        if u.target in _TORCH_LINEAR_ACT and u.args[0] is n and len(u.args) <= 2 and \
-                set(u.kwargs) <= ({"approximate"} if u.target == aten.gelu.default else set()):
-            algo = ""
-            if u.target == aten.gelu.default:
-                algo = u.kwargs.get("approximate", u.args[1] if len(u.args) > 1 else "none")
-            elif len(u.args) > 1:
-                continue  # relu / silu take one argument
-            args = (x, w, b, _TORCH_LINEAR_ACT[u.target], [], algo)
-            target = TORCH_LINEAR
+        act = _activation(u, n)
+        if act is not None:
+            args, target = (x, w, b, *act), TORCH_LINEAR
+        elif u.target in _RESHAPES and u.args[0] is n and len(u.users) == 1 and \
+                _activation(next(iter(u.users)), u) is not None:
+            # GPT-2's Conv1D: addmm on 2-D rows, viewed back to (batch, seq, N), then the GELU. The
+            # activation is elementwise: the linear takes it, the view stays.
+            a = next(iter(u.users))
+            n.args = (x, w, b, *_activation(a, u))
+            a.replace_all_uses_with(u)
+            gm.graph.erase_node(a)
+            done += 1
+            continue
         elif u.target == aten.add.Tensor and len(u.args) == 2 and not u.kwargs and n in u.args:
             other = u.args[1] if u.args[0] is n else u.args[0]
             if not _same_value(other, n) or not _same_value(u, n):
