@@ -179,9 +179,9 @@ def test_mkl_route_is_for_big_fp32_gemms_on_intel_avx512():
     assert routing.route("linear", "fp32", spr, rows=128, macs=128 * 768 * 3072).backend == "mkl"
     assert routing.route("linear", "fp32", spr, rows=1, macs=4096 * 4096).backend == "torch"   # a GEMV: addmm
     assert routing.route("linear", "fp32", spr, rows=64, macs=64 * 128 * 512).backend != "mkl"
-    # bf16 with AMX: torch's oneDNN (measured inside models); GEMVs keep cpu_opt's oneDNN
+    # bf16 with AMX: torch's oneDNN (measured inside models), GEMVs included; without AMX cpu_opt's oneDNN
     assert routing.route("linear", "bf16", spr, rows=128, macs=128 * 768 * 3072).backend == "torch_onednn"
-    assert routing.route("linear", "bf16", spr, rows=1, macs=768 * 3072).backend == "onednn"
+    assert routing.route("linear", "bf16", spr, rows=1, macs=768 * 3072).backend == "torch_onednn"
     assert routing.route("linear", "bf16", z5, rows=128, macs=128 * 768 * 3072).backend == "onednn"
     assert routing.route("linear", "fp32", z5, rows=128, macs=128 * 768 * 3072).backend == "onednn"
     capped = hw.build_info((FIX / "intel_sapphirerapids.txt").read_text(), cap="avx2")
