@@ -43,6 +43,26 @@ def _model(quick: bool):
     return m, cfg
 
 
+def _compiled_generate(model, prompt, kw):
+    """``(runner, first output, seconds)`` for ``generate`` on a copy of ``model`` whose forward
+    torch.compile compiled (inductor, the global freezing flag), the first call compiling it."""
+    import copy
+
+    import torch._inductor.config as inductor_config
+
+    cmodel = copy.deepcopy(model)
+    inductor_config.freezing = True
+    cmodel.forward = torch.compile(cmodel.forward, dynamic=False)
+
+    def run():
+        with torch.no_grad():
+            return cmodel.generate(prompt, **kw)
+
+    t0 = time.perf_counter()
+    out = run()
+    return run, out, time.perf_counter() - t0
+
+
 def main(quick: bool = False, argv=None) -> None:
     import cpu_opt
 
@@ -122,45 +142,16 @@ def main(quick: bool = False, argv=None) -> None:
         runners["cpu_opt_bf16"] = lambda: ob.generate(prompt, **kw)
         outs16 = [("eager_bf16", eager16()), ("cpu_opt_bf16", outb)]
         if not args.skip_compile:
-            import torch._inductor.config as inductor_config
-
-            c16 = copy.deepcopy(m16)
-            inductor_config.freezing = True
-            c16.forward = torch.compile(c16.forward, dynamic=False)
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                outs16.append(("torch.compile_bf16", c16.generate(prompt, **kw)))
-            build["torch.compile_bf16"] = time.perf_counter() - t0
-
-            def compiled16():
-                with torch.no_grad():
-                    return c16.generate(prompt, **kw)
-
-            runners["torch.compile_bf16"] = compiled16
+            runners["torch.compile_bf16"], out, build["torch.compile_bf16"] = _compiled_generate(m16, prompt, kw)
+            outs16.append(("torch.compile_bf16", out))
         new = slice(args.prompt, None)
         for k, o in outs16:
             same[k] = bool(torch.equal(o, ref))
             agree[k] = float((o[:, new] == ref[:, new]).float().mean())
 
     if not args.skip_compile:
-        import copy
-
-        import torch._inductor.config as inductor_config
-
-        cmodel = copy.deepcopy(model)
-        inductor_config.freezing = True
-        cmodel.forward = torch.compile(cmodel.forward, dynamic=False)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            cout = cmodel.generate(prompt, **kw)
-        build["torch.compile"] = time.perf_counter() - t0
+        runners["torch.compile"], cout, build["torch.compile"] = _compiled_generate(model, prompt, kw)
         same["torch.compile"] = bool(torch.equal(cout, ref))
-
-        def compiled():
-            with torch.no_grad():
-                return cmodel.generate(prompt, **kw)
-
-        runners["torch.compile"] = compiled
 
     def eager():
         with torch.no_grad():

@@ -76,6 +76,17 @@ def _max_rel(out, ref):
     return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-6)).item() for x, y in zip(a, b))
 
 
+def _at_two_shapes(model, inputs, opt):
+    """``(shape, optimized output, eager output)`` at each of :data:`SHAPES`, the output types checked."""
+    for shape in SHAPES.values():
+        x = inputs(*shape)
+        with torch.no_grad():
+            ref = model(**x)
+        out = opt(**x)
+        assert type(out) is type(ref)
+        yield shape, out, ref
+
+
 @pytest.fixture(scope="module")
 def optimized():
     cache = {}
@@ -100,12 +111,7 @@ def test_hf_model_matches_eager_at_two_shapes_on_onednn(name, optimized):
         assert rep["num_partitions"] > 0
     assert isinstance(rep["fallbacks"], list)  # listed, each with its reason
     assert all(f["reason"] for f in rep["fallbacks"])
-    for shape in SHAPES.values():
-        x = inputs(*shape)
-        with torch.no_grad():
-            ref = model(**x)
-        out = opt(**x)
-        assert type(out) is type(ref)
+    for shape, out, ref in _at_two_shapes(model, inputs, opt):
         assert _max_rel(out, ref) < 1e-4, (name, shape)
     for check in opt.report()["shape_validation"]:
         assert check["ok"], check
@@ -144,12 +150,7 @@ def test_hf_model_in_bf16_matches_eager(name):
     opt = cpu_opt.optimize(model, inputs(*SHAPES["first"]), dtype="bf16")
     rep = opt.report()
     assert rep["validation"]["ok"] and "fell_back" not in rep["validation"], rep["validation"]
-    for shape in SHAPES.values():
-        x = inputs(*shape)
-        with torch.no_grad():
-            ref = model(**x)
-        out = opt(**x)
-        assert type(out) is type(ref)
+    for shape, out, ref in _at_two_shapes(model, inputs, opt):
         assert all(t.dtype == torch.float32 for t in _float_leaves(out))
         assert _min_cos(out, ref) >= 0.99, (name, shape, _min_cos(out, ref))
 
