@@ -168,8 +168,10 @@ def test_hf_audio_encoder_in_bf16_is_refused_by_validation_with_its_reason():
     with torch.no_grad():
         ref = model(**x)
         eager16 = copy.deepcopy(model).to(torch.bfloat16)(**{k: v.bfloat16() for k, v in x.items()})
-    assert _min_cos(eager16, ref) < 0.99  # the model, not cpu_opt
     opt = cpu_opt.optimize(model, x, dtype="bf16")
     val = opt.report()["validation"]
-    assert not val["ok"] and val["min_cosine"] < 0.99 and "fell_back" in val
-    assert _min_cos(opt(**x), eager16) > 0.999
+    if _min_cos(eager16, ref) < 0.99:  # the model, not cpu_opt (native bf16 kernels: 0.972)
+        assert not val["ok"] and val["min_cosine"] < 0.99 and "fell_back" in val
+        assert _min_cos(opt(**x), eager16) > 0.999
+    else:  # under an ISA cap torch's bf16 is emulated in float32 and precise: the plan must pass
+        assert val["ok"] and _min_cos(opt(**x), ref) >= 0.99

@@ -325,5 +325,5 @@ def test_bf16_linears_on_torch_onednn_fuse_activation_and_residual(monkeypatch):
     aten = torch.ops.aten
     # the kept layer's ReLU and the broadcast add stay separate ops (in torch or a partition)
     assert not any(n.target in (aten.gelu.default, aten.silu.default) for n in nodes)
-    rep = opt.report()
-    assert sum(r["route"] == "torch_onednn" for r in rep["routed"]) == 7
+    if optimize_testutil.onednn_graph_used("bf16"):   # else the report has no oneDNN plan to route within
+        assert sum(r["route"] == "torch_onednn" for r in opt.report()["routed"]) == 7
