@@ -216,24 +216,23 @@ def fuse_torch_linear_post_ops(gm: torch.fx.GraphModule) -> int:
         v = node_value(n)
         if not isinstance(v, torch.Tensor) or v.dtype != torch.bfloat16:
             continue
-        u = next(iter(u for u in n.users))
+        u = next(iter(n.users))
         x, w, b = n.args[:3]
         if u.op != "call_function":
             continue
-        act = _activation(u, n)
-        if act is not None:
-            args, target = (x, w, b, *act), TORCH_LINEAR
-        elif u.target in _RESHAPES and u.args[0] is n and len(u.users) == 1 and \
-                _activation(next(iter(u.users)), u) is not None:
-            # GPT-2's Conv1D: addmm on 2-D rows, viewed back to (batch, seq, N), then the GELU. The
-            # activation is elementwise: the linear takes it, the view stays.
-            a = next(iter(u.users))
-            n.args = (x, w, b, *_activation(a, u))
-            a.replace_all_uses_with(u)
-            gm.graph.erase_node(a)
+        # the activation read directly, or through a view (GPT-2's Conv1D: addmm rows viewed back to
+        # (batch, seq, N), then the GELU): elementwise, so the linear takes it and any view stays
+        act, src = u, n
+        if _activation(u, n) is None and u.target in _RESHAPES and u.args[0] is n and len(u.users) == 1:
+            act, src = next(iter(u.users)), u
+        post = _activation(act, src)
+        if post is not None:
+            n.args = (x, w, b, *post)
+            act.replace_all_uses_with(src)
+            gm.graph.erase_node(act)
             done += 1
             continue
-        elif u.target == aten.add.Tensor and len(u.args) == 2 and not u.kwargs and n in u.args:
+        if u.target == aten.add.Tensor and len(u.args) == 2 and not u.kwargs and n in u.args:
             other = u.args[1] if u.args[0] is n else u.args[0]
             if not _same_value(other, n) or not _same_value(u, n):
                 continue
