@@ -162,21 +162,35 @@ class DnnlConv2d(Conv2dKernel):
         """oneDNN's implementation for input ``shape`` (``brgconv:avx512_core_amx`` ...)."""
         return self._conv(tuple(shape), None).impl
 
-    def run(self, x, other=None):
-        cl = torch.channels_last
+    def chain_src(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as the bound primitive reads it: uint8 bytes, channels-last."""
         u = input_u8(x, self.x_scale, self.x_zp)
-        if not u.is_contiguous(memory_format=cl):
-            u = u.contiguous(memory_format=cl)
-        if other is None:
-            bound = self._conv(tuple(u.shape), None)
-            y = bound(u, self._output(bound, bound.out_shape, bound.dst_dtype, cl) if self.reuse_output else None)
-        else:
-            other = _residual_operand(other, self.other_qparams)
-            if not other.is_contiguous(memory_format=cl):
-                other = other.contiguous(memory_format=cl)
-            bound = self._conv(tuple(u.shape), other)
-            y = bound(u, self._output(bound, bound.out_shape, bound.dst_dtype, cl) if self.reuse_output else None,
-                      binary=other)
+        return u if u.is_contiguous(memory_format=torch.channels_last) else u.contiguous(memory_format=torch.channels_last)
+
+    def chain_other(self, other: torch.Tensor) -> torch.Tensor:
+        """The residual as the binary post-op reads it (uint8 / int8 / f32), channels-last."""
+        other = _residual_operand(other, self.other_qparams)
+        cl = torch.channels_last
+        return other if other.is_contiguous(memory_format=cl) else other.contiguous(memory_format=cl)
+
+    @property
+    def writes_chained(self) -> bool:
+        """Is the output the integer bytes the next member of a :class:`PrimitiveChain` reads as
+        they are (not a float it would quantize)?"""
+        return self.out_qparams is not None
+
+    def chain_bind(self, src_shape: tuple, other: torch.Tensor | None):
+        """The bound primitive for a uint8 channels-last input of ``src_shape`` and a residual like
+        ``other`` (as :meth:`chain_other` gives it; a meta tensor will do), for
+        :class:`PrimitiveChain`."""
+        return self._conv(tuple(src_shape), other)
+
+    def run(self, x, other=None):
+        u = self.chain_src(x)
+        other = None if other is None else self.chain_other(other)
+        bound = self._conv(tuple(u.shape), other)
+        out = self._output(bound, bound.out_shape, bound.dst_dtype, torch.channels_last) if self.reuse_output else None
+        y = bound(u, out) if other is None else bound(u, out, binary=other)
         return chain_u8(y) if y.dtype == torch.uint8 else y
 
     def __deepcopy__(self, memo):
@@ -209,16 +223,25 @@ class MaxPool2dU8:
             pool = self._pools[shape] = MaxPool2d(shape, torch.uint8, *self.args)
         return pool
 
+    def chain_src(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.uint8:
+            raise TypeError(f"int8_max_pool2d takes chained uint8 activations, got {x.dtype}")
+        cl = torch.channels_last
+        return x if x.is_contiguous(memory_format=cl) else x.contiguous(memory_format=cl)
+
+    writes_chained = True   # uint8 bytes in, uint8 bytes out
+
+    def chain_bind(self, src_shape: tuple, other=None):
+        if other is not None:
+            raise TypeError("int8_max_pool2d takes no residual")
+        return self._pool(tuple(src_shape))
+
     def __call__(self, x):
         if _is_fake(x):
             k, s, p, d, c = self.args
             shape = torch.nn.functional.max_pool2d(torch.empty(x.shape, device="meta"), k, s, p, d, c).shape
             return torch.empty(shape, dtype=torch.uint8, device=x.device)
-        if x.dtype != torch.uint8:
-            raise TypeError(f"int8_max_pool2d takes chained uint8 activations, got {x.dtype}")
-        cl = torch.channels_last
-        if not x.is_contiguous(memory_format=cl):
-            x = x.contiguous(memory_format=cl)
+        x = self.chain_src(x)
         pool = self._pool(tuple(x.shape))
         out = None
         if self.reuse_output:
@@ -227,7 +250,8 @@ class MaxPool2dU8:
                 bufs = self._tls.buffers = {}
             out = bufs.get(pool.out_shape)
             if out is None:
-                out = bufs[pool.out_shape] = torch.empty(pool.out_shape, dtype=torch.uint8, memory_format=cl)
+                out = bufs[pool.out_shape] = torch.empty(pool.out_shape, dtype=torch.uint8,
+                                                         memory_format=torch.channels_last)
         return pool(x, out)
 
     def __deepcopy__(self, memo):
@@ -235,6 +259,232 @@ class MaxPool2dU8:
 
     def __repr__(self):
         return f"MaxPool2dU8{self.args}"
+
+
+# the kernels a PrimitiveChain takes (one bound primitive per call, chain_src / chain_bind)
+CHAIN_MEMBERS = (DnnlConv2d, MaxPool2dU8)
+_UNBOUND = object()
+
+
+class PrimitiveChain:
+    """Consecutive steps of the runtime program that are all primitives of cpu_opt's oneDNN binding
+    (an int8 CNN's convolutions and max-pool: ResNet-50's 53 convolutions and its stem pooling), run
+    as one step. Per thread and input signature the chain binds every primitive's memory once: the
+    values that stay inside it live in buffers it owns, shared by liveness (a buffer is taken again
+    once its last reader has run), and one scratchpad serves all members. A call then prepares what
+    comes in from outside (as each member would), allocates what a caller may keep, sets those few
+    pointers and runs the primitives back to back. It saves the Python around each layer (the checks,
+    look-ups and pointer setting of a layer-by-layer call), never kernel time: the numbers are the
+    layer-by-layer path's (:meth:`_stepwise`), which still runs where the chain cannot bind (fake
+    tensors during shape propagation; a member that would convert a value coming from inside).
+
+    ``members``: ``[(kernel, src_ref, other_ref)]``, a ref being ``("in", i)`` (the chain's i-th
+    input), ``("step", j)`` (member j's output) or None; ``exports``: the members whose outputs the
+    chain returns, in order; ``fresh``: per export, whether it is a new tensor on every call (a
+    caller may keep it) or a buffer reused across calls (the runtime found no caller sees it)."""
+
+    output_aliases_inputs = False
+
+    def __init__(self, members, exports, fresh):
+        if len(exports) != len(fresh):
+            raise ValueError(f"{len(exports)} exports but {len(fresh)} fresh flags")
+        for j, (_kernel, src, other) in enumerate(members):
+            for ref in (src, other):
+                if ref is not None and not (ref[0] == "in" or (ref[0] == "step" and 0 <= ref[1] < j)):
+                    raise ValueError(f"member {j} reads {ref}: a member reads the chain's inputs or earlier members")
+            if src is None:
+                raise ValueError(f"member {j} has no source")
+        self.members = list(members)
+        self.exports = list(exports)
+        self.fresh = list(fresh)
+        self._tls = threading.local()
+        self.__name__ = "onednn_primitive_chain"
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_tls", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._tls = threading.local()
+
+    def __deepcopy__(self, memo):
+        return self   # its kernels are immutable and shared by a deep copy; bindings are per thread
+
+    def __repr__(self):
+        return f"PrimitiveChain({len(self.members)} primitives, {len(self.exports)} outputs)"
+
+    def _stepwise(self, inputs):
+        vals = []
+        for kernel, src, other in self.members:
+            x = inputs[src[1]] if src[0] == "in" else vals[src[1]]
+            if other is None:
+                vals.append(kernel(x))
+            else:
+                vals.append(kernel(x, inputs[other[1]] if other[0] == "in" else vals[other[1]]))
+        return tuple(vals[j] for j in self.exports)
+
+    def __call__(self, *inputs):
+        if any(_is_fake(t) for t in inputs):
+            return self._stepwise(inputs)
+        key = tuple((t.dtype, tuple(t.shape), t.stride()) for t in inputs)
+        bound = getattr(self._tls, "bound", None)
+        if bound is None:
+            bound = self._tls.bound = {}
+        run = bound.get(key, _UNBOUND)
+        if run is _UNBOUND:
+            run = bound[key] = self._bind(inputs)
+        return self._stepwise(inputs) if run is None else run(inputs)
+
+    def _bind(self, inputs):
+        """The per-call function for inputs like these, or None where a member would convert a value
+        that comes from inside the chain (then every call runs :meth:`_stepwise`)."""
+        from cpu_opt.dnnl import lib as L
+        from cpu_opt.dnnl.memory import memory, set_handle
+        from cpu_opt.dnnl.primitives import _same_strides
+
+        from .int8 import activation_qmax
+
+        if activation_qmax() < 255:   # the layer-by-layer path clamps uint8 outputs (chain_u8)
+            return None
+        layouts = []      # per member: (shape, strides, dtype) of its output
+        external = []     # (member, role, input index, (shape, strides, dtype) after the member's preparation)
+        specs, reads = [], []
+        for j, (kernel, src, other) in enumerate(self.members):
+            prepared = []
+            for role, ref in (("src", src), ("other", other)):
+                if ref is None:
+                    prepared.append(None)
+                    continue
+                if ref[0] == "in":
+                    t = inputs[ref[1]]
+                else:
+                    shape, strides, dtype = layouts[ref[1]]
+                    t = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
+                try:
+                    p = kernel.chain_src(t) if role == "src" else kernel.chain_other(t)
+                except (NotImplementedError, RuntimeError, TypeError):
+                    if ref[0] == "in":
+                        raise
+                    return None   # a float value inside (quantized by its reader): layer by layer
+                if ref[0] == "step" and p is not t:
+                    return None
+                if ref[0] == "in":
+                    external.append((j, role, ref[1], (tuple(p.shape), p.stride(), p.dtype)))
+                prepared.append(p)
+            b = kernel.chain_bind(tuple(prepared[0].shape), prepared[1])
+            if b.empty or b.accumulates or prepared[0].dtype != b.src_dtype \
+                    or not _same_strides(prepared[0], b.src_strides):
+                return None
+            spec = b.exec_spec()
+            if (spec.bin_arg is None) != (prepared[1] is None):
+                return None
+            if prepared[1] is not None:
+                bshape, bstrides, bdtype = spec.bin_layout
+                o = prepared[1]
+                if tuple(o.shape) != bshape[len(bshape) - o.dim():] or o.dtype != bdtype \
+                        or not _same_strides(o, bstrides[len(bshape) - o.dim():]):
+                    return None
+            specs.append((b, spec))
+            reads.append([r[1] for r in (src, other) if r is not None and r[0] == "step"])
+            layouts.append((b.out_shape, b.out_strides, b.dst_dtype))
+
+        n = len(self.members)
+        last_read = {}
+        for j, rs in enumerate(reads):
+            for i in rs:
+                last_read[i] = j
+        exported = {j: k for k, j in enumerate(self.exports)}
+        dst_bytes = [next(md for a, md in spec.args if a == spec.dst_arg).size_bytes() for _b, spec in specs]
+        # buffers of the values that stay inside, by liveness; persistent exports own theirs
+        buffers: list = [None] * n
+        persistent: dict = {}
+        free: list = []   # (nbytes, tensor)
+        for j in range(n):
+            if j in exported:
+                if not self.fresh[exported[j]]:
+                    shape, strides, dtype = layouts[j]
+                    persistent[j] = buffers[j] = torch.empty_strided(shape, strides, dtype=dtype)
+            else:
+                fits = [f for f in free if f[0] >= dst_bytes[j]]
+                if fits:
+                    best = min(fits, key=lambda f: f[0])
+                    free.remove(best)
+                    buffers[j] = best[1]
+                else:
+                    buffers[j] = torch.empty(max(dst_bytes[j], 1), dtype=torch.uint8)
+            for i in [*reads[j], j]:
+                if i not in exported and buffers[i] is not None and last_read.get(i, j) == j \
+                        and all(buffers[i] is not f[1] for f in free):
+                    free.append((buffers[i].numel(), buffers[i]))
+        scratch_bytes = max([md.size_bytes() for _b, spec in specs for a, md in spec.args if a in spec.per_thread],
+                            default=0)
+        scratch = torch.empty(max(scratch_bytes, 1), dtype=torch.uint8)
+
+        # memory objects of the chain's own: the pointers of inside values and constants set once
+        seq, late = [], []   # late: (memory, ("in", member, role, input) | ("fresh", export index))
+        keep = [scratch, buffers, specs]
+        for j, (kernel, src, other) in enumerate(self.members):
+            _b, spec = specs[j]
+            args = L.ffi().new("dnnl_exec_arg_t[]", len(spec.args))
+            mems = []
+            for k, (arg, md) in enumerate(spec.args):
+                if arg in spec.per_thread:
+                    t = scratch
+                elif arg in spec.const:
+                    t = spec.const[arg]
+                elif arg == spec.dst_arg:
+                    t = buffers[j]
+                    if t is None:
+                        late.append((len(mems), j, ("fresh", exported[j])))
+                else:
+                    ref = src if arg == spec.src_arg else other if arg == spec.bin_arg else None
+                    if ref is None:
+                        raise RuntimeError(f"{spec.what}: argument {arg} is neither bound nor a chain value")
+                    t = buffers[ref[1]] if ref[0] == "step" else None
+                    if ref[0] == "in":
+                        late.append((len(mems), j, ("in", "src" if arg == spec.src_arg else "other", ref[1])))
+                    elif t is None:   # an earlier member's fresh export
+                        late.append((len(mems), j, ("fresh", exported[ref[1]])))
+                m = memory(md, t)
+                mems.append(m)
+                args[k].arg = arg
+                args[k].memory = m
+            seq.append((spec.prim, len(spec.args), args, mems, spec.what))
+        late_mems = [(seq[j][3][pos], j, what) for pos, j, what in late]
+        fresh_layouts = [layouts[j] if self.fresh[k] else None for k, j in enumerate(self.exports)]
+        members = self.members
+        ext_layout = {(j, role, i): lay for j, role, i, lay in external}
+        exports, lib = self.exports, L.lib()
+
+        def run(inputs):
+            outs = [None if lay is None else torch.empty_strided(lay[0], lay[1], dtype=lay[2]) for lay in fresh_layouts]
+            held = []
+            for m, j, what in late_mems:
+                if what[0] == "fresh":
+                    t = outs[what[1]]
+                else:
+                    _, role, i = what
+                    kernel = members[j][0]
+                    t = kernel.chain_src(inputs[i]) if role == "src" else kernel.chain_other(inputs[i])
+                    shape, strides, dtype = ext_layout[(j, role, i)]
+                    if tuple(t.shape) != shape or t.dtype != dtype or not _same_strides(t, strides):
+                        raise RuntimeError(f"chain member {j}: input {i} prepared as {t.dtype} {tuple(t.shape)} "
+                                           f"{t.stride()}, bound for {dtype} {shape} {strides}")
+                    held.append(t)
+                set_handle(m, t)
+            stream = L.stream()
+            for prim, nargs, args, _mems, what in seq:
+                st = lib.dnnl_primitive_execute(prim, stream, nargs, args)
+                if st:
+                    L.check(st, "dnnl_primitive_execute", what)
+            L.check(lib.dnnl_stream_wait(stream), "dnnl_stream_wait", "primitive chain")
+            del held
+            return tuple(outs[k] if outs[k] is not None else persistent[j] for k, j in enumerate(exports))
+
+        run.keep = keep
+        return run
 
 
 class OnednnEltwise:

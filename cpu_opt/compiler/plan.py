@@ -123,7 +123,7 @@ def build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbos
                 use_onednn: bool = True, shapes_known: bool = True, measure: bool = False,
                 exclude: dict | None = None, int8=None) -> Plan:
     from .lowering import lower
-    from .runtime import build_program
+    from .runtime import build_program, chain_primitives
 
     t0 = time.perf_counter()
     kept = KeptState(gm)  # shape propagation may fall back to a real run, which updates buffers
@@ -179,6 +179,7 @@ def build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbos
     progress.step("lower + partition")
     if lowered is not None:
         program, steps = build_program(gm, lowered, channels_last=cl)
+        log += chain_primitives(program)
     else:
         program, steps = gm, []
     kept.restore()

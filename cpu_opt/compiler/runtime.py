@@ -108,6 +108,62 @@ def build_program(gm: torch.fx.GraphModule, low: LoweredGraph, channels_last: bo
     return prog, steps
 
 
+def chain_primitives(prog: torch.fx.GraphModule) -> list[str]:
+    """Runs of two or more consecutive steps that are each one primitive of cpu_opt's oneDNN binding
+    (int8 convolutions and max-pools) become one :class:`PrimitiveChain` step, which returns the
+    values read after the run. The members keep their ``reuse_output`` flags: an output a caller may
+    see is a new tensor on every call, chained or not."""
+    from ..backends.int8 import activation_qmax
+    from ..backends.onednn_primitives import CHAIN_MEMBERS, PrimitiveChain
+
+    if activation_qmax() < 255:
+        return []
+    runs, cur = [], []
+    for n in [*prog.graph.nodes]:
+        if n.op == "call_function" and isinstance(n.target, CHAIN_MEMBERS) and not n.kwargs \
+                and all(isinstance(a, torch.fx.Node) for a in n.args) and 1 <= len(n.args) <= 2:
+            src = n.args[0]
+            if src in cur and not src.target.writes_chained:
+                # a float value inside the run that this member would quantize: a new run starts here
+                # (the value comes in from outside it, as into a layer-by-layer call)
+                runs.append(cur)
+                cur = []
+            cur.append(n)
+            continue
+        runs.append(cur)
+        cur = []
+    runs = [r for r in runs if len(r) >= 2]
+    g = prog.graph
+    for run in runs:
+        index = {n: j for j, n in enumerate(run)}
+        inputs: list = []
+
+        def ref(a, index=index, inputs=inputs):
+            if a in index:
+                return ("step", index[a])
+            if a not in inputs:
+                inputs.append(a)
+            return ("in", inputs.index(a))
+
+        members = [(n.target, ref(n.args[0]), ref(n.args[1]) if len(n.args) > 1 else None) for n in run]
+        inside = set(run)
+        exported = [n for n in run if any(u not in inside for u in n.users)]
+        chain = PrimitiveChain(members, [index[n] for n in exported], [not n.target.reuse_output for n in exported])
+        with g.inserting_before(run[0]):
+            node = g.call_function(chain, tuple(inputs))
+            for k, n in enumerate(exported):
+                item = g.call_function(operator.getitem, (node, k))
+                item.meta = dict(n.meta)
+                n.replace_all_uses_with(item)
+        for n in reversed(run):
+            g.erase_node(n)
+    if not runs:
+        return []
+    prog.recompile()
+    return [f"{sum(len(r) for r in runs)} oneDNN primitives (int8 convolutions, pooling) run as {len(runs)} chain(s): "
+            "one Python step each, buffers bound once"]
+
+
 def _bind_constants(prog: torch.fx.GraphModule) -> None:
     """Weights are read once per call through plain instance attributes instead of
     ``nn.Module.__getattr__`` down the module tree (``self.encoder.layer[3].attention.query.weight``:

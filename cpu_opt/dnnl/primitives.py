@@ -14,7 +14,7 @@ passed at call time).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -744,6 +744,19 @@ class Conv2d(_QuantArgs):
         return self
 
 
+class ExecSpec(NamedTuple):
+    """A bound primitive as :meth:`_Bound.exec_spec` hands it out."""
+    prim: object                 # dnnl_primitive_t
+    args: list                   # [(DNNL_ARG_*, MemoryDesc)], the scratchpad included
+    const: dict                  # DNNL_ARG_* -> the tensor bound once (weights, bias, scales ...)
+    per_thread: tuple            # args that need a buffer per calling thread (the scratchpad)
+    src_arg: int
+    dst_arg: int
+    bin_arg: int | None          # the add/mul post-op operand's arg, if any
+    bin_layout: tuple | None     # (shape, strides, dtype) the operand was declared with
+    what: str
+
+
 class _Bound:
     """The per-call path of a primitive compiled for one source shape and layout, its constant
     arguments (packed weights, bias, scales, zero points) bound to oneDNN memory once: a call checks
@@ -778,6 +791,19 @@ class _Bound:
     @property
     def impl(self) -> str:
         return self._comp.impl
+
+    def exec_spec(self) -> "ExecSpec":
+        """What a caller that keeps memory objects of its own needs to run this primitive without
+        :meth:`__call__` (:class:`cpu_opt.backends.onednn_primitives.PrimitiveChain`, which binds
+        its buffers once and runs a whole chain of primitives per call)."""
+        if self.empty:
+            raise ValueError(f"this {self.what} has an empty output: nothing to run")
+        if self.accumulates:
+            raise ValueError(f"this {self.what} accumulates into its output (a 'sum' post-op)")
+        comp = self._comp
+        return ExecSpec(comp.prim, list(comp.args), dict(self._const), tuple(comp.per_thread), self._src_arg,
+                        self._dst_arg, None if self._bin is None else self._bin[0],
+                        None if self._bin is None else self._bin[1:], comp.what)
 
     def __deepcopy__(self, memo):
         """Immutable once bound, every thread with its own memory objects: a deep copy can share it."""

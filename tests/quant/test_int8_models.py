@@ -29,7 +29,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_testutil import (REDUCE_RANGE, KernelCalls, buildable_families, call, compare, gen,  # noqa: E402
-                            histogram_mapping, minmax_mapping, sqnr_db)
+                            histogram_mapping, minmax_mapping, program_kernels, sqnr_db)
 
 import cpu_opt  # noqa: E402
 from cpu_opt import quant  # noqa: E402
@@ -666,7 +666,7 @@ def test_resnet_stem_chains_through_the_max_pool(resnet_task):
     assert rows["conv1"]["out"] == "uint8 (chained)"
     assert rows["layer1.0.conv1"]["in"] == "uint8 (chained)"
     prog = next(iter(opt._plans.values())).program
-    pools = [n.target for n in prog.graph.nodes if type(n.target).__name__ == "MaxPool2dU8"]
+    pools = [k for k, _ in program_kernels(prog) if type(k).__name__ == "MaxPool2dU8"]
     assert len(pools) == 1
     x = torch.randint(0, 256, (2, 4, 9, 9), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
     ref = torch.nn.functional.max_pool2d(x.float(), *pools[0].args)
@@ -700,12 +700,12 @@ def test_reused_int8_outputs_never_reach_the_caller():
                            qconfig_mapping=minmax_mapping())
     plan = next(iter(opt._plans.values()))
     prog = plan.program
-    kernels = [n for n in prog.graph.nodes if hasattr(n.target, "reuse_output")]
+    kernels = program_kernels(prog)   # chained or not
     assert len(kernels) >= 3
     if plan.lowered is not None:   # the runtime's program (oneDNN is used at this ISA)
-        assert any(n.target.reuse_output for n in kernels)      # inside-only outputs are reused ...
-    out_nodes = set(next(n for n in prog.graph.nodes if n.op == "output").all_input_nodes)
-    assert not any(n.target.reuse_output for n in kernels if n in out_nodes)   # ... returned ones are not
+        assert any(k.reuse_output for k, _ in kernels)      # inside-only outputs are reused ...
+    assert any(returned for _, returned in kernels)
+    assert not any(k.reuse_output for k, returned in kernels if returned)   # ... returned ones are not
     x1, x2 = torch.randn(2, 3, 8, 8, generator=gen(1)), torch.randn(2, 3, 8, 8, generator=gen(2))
     first = opt(x1)
     kept = [t.clone() for t in first]
@@ -717,6 +717,108 @@ def test_reused_int8_outputs_never_reach_the_caller():
         for got, ref in zip(opt(x1), m(x1)):
             cos, _ = compare(got, ref)
             assert cos >= MIN_COSINE, cos
+
+
+class _ChainNet(nn.Module):
+    """A ResNet-like stem and block: convolution -> max-pool -> two convolutions with the residual
+    -> a strided convolution plus a 1x1 shortcut; the block's output is also returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, stride=2, padding=1)
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.a = nn.Conv2d(16, 16, 3, padding=1)
+        self.b = nn.Conv2d(16, 16, 3, padding=1)
+        self.c = nn.Conv2d(16, 32, 3, stride=2, padding=1)
+        self.down = nn.Conv2d(16, 32, 1, stride=2)
+
+    def forward(self, x):
+        s = self.pool(torch.relu(self.stem(x)))
+        h = torch.relu(self.b(torch.relu(self.a(s))) + s)
+        y = torch.relu(self.c(h) + self.down(h))
+        return y.mean((2, 3)), h
+
+
+@pytest.mark.isa
+def test_int8_convolutions_run_as_a_bound_chain_of_primitives(monkeypatch):
+    """Consecutive int8 convolutions and the uint8 max-pool on cpu_opt's oneDNN binding run as
+    PrimitiveChain steps where the CPU has VNNI (uint8 outputs need no clamp there): bound once, no
+    layer's Python per call. The answers are bit for bit the layer-by-layer path's, a returned
+    output is new on every call, and two threads can call the model at once. Without VNNI (or without
+    the binding) there is no chain and the layers run one by one."""
+    import threading
+
+    from cpu_opt.backends.int8 import activation_qmax
+    from cpu_opt.backends.onednn_primitives import DnnlConv2d, PrimitiveChain
+    from cpu_opt.quant import api
+
+    onednn = "onednn" in buildable_families("conv2d")
+    if onednn:
+        monkeypatch.setattr(api, "choose_family", lambda kind, rows, macs, conv=None: ("onednn", "forced"))
+    torch.manual_seed(0)
+    m = _ChainNet().eval()
+    calib = [(torch.randn(2, 3, 32, 32, generator=gen(950 + i)),) for i in range(N_CALIB)]
+    opt = cpu_opt.optimize(m, (calib[0][0],), dtype="int8", calibration_data=calib,
+                           qconfig_mapping=minmax_mapping())
+    plan = next(iter(opt._plans.values()))
+    chains = [n.target for n in plan.program.graph.nodes if isinstance(n.target, PrimitiveChain)]
+    chained = any("run as" in line and "chain" in line for line in opt.report()["passes"])
+    x1, x2 = torch.randn(2, 3, 32, 32, generator=gen(1)), torch.randn(2, 3, 32, 32, generator=gen(2))
+    with torch.no_grad():
+        ref1, ref2 = m(x1), m(x2)
+    if not (onednn and activation_qmax() == 255 and plan.lowered is not None):
+        assert not chains and not chained
+        for got, ref in zip(opt(x1), ref1):
+            assert compare(got, ref)[0] >= MIN_COSINE
+        return
+    assert chains and chained
+    members = [k for c in chains for k, _src, _other in c.members]
+    assert len(chains) == 2   # split where a float output (the returned block output) is quantized again
+    assert sum(isinstance(k, DnnlConv2d) for k in members) == 5 and sum(type(k).__name__ == "MaxPool2dU8"
+                                                                        for k in members) == 1
+    runs = []
+    real_run = DnnlConv2d.run
+    monkeypatch.setattr(DnnlConv2d, "run", lambda self, *a: runs.append(self) or real_run(self, *a))
+    first = opt(x1)
+    assert not runs                       # the bound chain ran its members: no layer-by-layer call
+    kept = [t.clone() for t in first]
+    second = opt(x2)
+    for a, b, c in zip(first, kept, second):
+        assert torch.equal(a, b) and not torch.equal(a, c)   # returned outputs are new on every call
+    for got, ref in zip(first, ref1):
+        assert compare(got, ref)[0] >= MIN_COSINE
+
+    # the layer-by-layer path (a thread whose chains cannot bind) gives the same bits
+    step = {}
+    monkeypatch.setattr(PrimitiveChain, "_bind", lambda self, inputs: None)
+    t = threading.Thread(target=lambda: step.update(a=opt(x1), b=opt(x2)))
+    t.start()
+    t.join()
+    monkeypatch.undo()
+    assert runs                           # ... it did run layer by layer
+    for a, b in zip(step["a"], kept):
+        assert torch.equal(a, b)
+    for a, b in zip(step["b"], second):
+        assert torch.equal(a, b)
+
+    # two threads at once, each with its own bound buffers
+    got, errors = {}, []
+
+    def worker(k, x):
+        try:
+            got[k] = [opt(x) for _ in range(20)]
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k, x)) for k, x in ((1, x1), (2, x2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for k, want in ((1, kept), (2, second)):
+        for outs in got[k]:
+            assert all(torch.equal(a, b) for a, b in zip(outs, want))
 
 
 class _QKV(nn.Module):
