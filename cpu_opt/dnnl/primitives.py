@@ -21,7 +21,7 @@ import torch
 from .._memory import overlaps
 from . import lib as L
 from .cache import CACHE
-from .memory import TORCH_TO_DNNL, BorrowedDesc, MemoryDesc, ThreadSlots, empty_for, memory, set_handle
+from .memory import TORCH_TO_DNNL, BorrowedDesc, MemoryDesc, ThreadSlots, dnnl_dtype, empty_for, memory, set_handle
 
 ELTWISE = {
     # name: (alg kind, alpha, beta)
@@ -40,7 +40,7 @@ ELTWISE = {
 @dataclass(frozen=True)
 class PostOp:
     kind: str                     # an ELTWISE name, "sum", "add" or "mul"
-    scale: float = 1.0            # for "sum"
+    scale: float = 1.0            # for "sum" (its dtype: the summand's, where it is integer and not the dst's)
     zero_point: int = 0           # for "sum" into an integer dst: adds scale * (dst - zero_point)
     shape: tuple = ()             # for "add"/"mul": the other operand's shape (broadcastable to dst)
     dtype: torch.dtype = torch.float32
@@ -131,7 +131,10 @@ class _Attr:
                     L.check(l.dnnl_post_ops_append_eltwise(po, getattr(l, alg), a, b),
                             "dnnl_post_ops_append_eltwise", op.kind)
                 elif op.kind == "sum":
-                    L.check(l.dnnl_post_ops_append_sum(po, float(op.scale), int(op.zero_point), l.dnnl_data_type_undef),
+                    # an integer summand may differ from an integer dst in sign (an s8 residual summed into
+                    # a u8 output: oneDNN takes a sum data type of the dst's size); else the dst's type
+                    sum_dt = dnnl_dtype(op.dtype) if op.dtype in (torch.uint8, torch.int8) else l.dnnl_data_type_undef
+                    L.check(l.dnnl_post_ops_append_sum(po, float(op.scale), int(op.zero_point), sum_dt),
                             "dnnl_post_ops_append_sum")
                 else:
                     shape = tuple(op.shape)
@@ -754,6 +757,7 @@ class ExecSpec(NamedTuple):
     dst_arg: int
     bin_arg: int | None          # the add/mul post-op operand's arg, if any
     bin_layout: tuple | None     # (shape, strides, dtype) the operand was declared with
+    accumulates: bool            # a 'sum' post-op: the destination's old contents are an operand
     what: str
 
 
@@ -798,12 +802,10 @@ class _Bound:
         its buffers once and runs a whole chain of primitives per call)."""
         if self.empty:
             raise ValueError(f"this {self.what} has an empty output: nothing to run")
-        if self.accumulates:
-            raise ValueError(f"this {self.what} accumulates into its output (a 'sum' post-op)")
         comp = self._comp
         return ExecSpec(comp.prim, list(comp.args), dict(self._const), tuple(comp.per_thread), self._src_arg,
                         self._dst_arg, None if self._bin is None else self._bin[0],
-                        None if self._bin is None else self._bin[1:], comp.what)
+                        None if self._bin is None else self._bin[1:], self.accumulates, comp.what)
 
     def __deepcopy__(self, memo):
         """Immutable once bound, every thread with its own memory objects: a deep copy can share it."""

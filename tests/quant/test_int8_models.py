@@ -720,8 +720,9 @@ def test_reused_int8_outputs_never_reach_the_caller():
 
 
 class _ChainNet(nn.Module):
-    """A ResNet-like stem and block: convolution -> max-pool -> two convolutions with the residual
-    -> a strided convolution plus a 1x1 shortcut; the block's output is also returned."""
+    """A ResNet-like stem and blocks: convolution -> max-pool -> two convolutions with the residual
+    -> a strided convolution plus a 1x1 shortcut -> a 1x1 convolution; the first block's output is
+    also returned."""
 
     def __init__(self):
         super().__init__()
@@ -731,12 +732,13 @@ class _ChainNet(nn.Module):
         self.b = nn.Conv2d(16, 16, 3, padding=1)
         self.c = nn.Conv2d(16, 32, 3, stride=2, padding=1)
         self.down = nn.Conv2d(16, 32, 1, stride=2)
+        self.e = nn.Conv2d(32, 32, 1)
 
     def forward(self, x):
         s = self.pool(torch.relu(self.stem(x)))
         h = torch.relu(self.b(torch.relu(self.a(s))) + s)
-        y = torch.relu(self.c(h) + self.down(h))
-        return y.mean((2, 3)), h
+        y = torch.relu(self.c(h) + self.down(h))   # c: uint8 out, down's int8 shortcut summed in place
+        return self.e(y).mean((2, 3)), h
 
 
 @pytest.mark.isa
@@ -774,13 +776,17 @@ def test_int8_convolutions_run_as_a_bound_chain_of_primitives(monkeypatch):
     assert chains and chained
     members = [k for c in chains for k, _src, _other in c.members]
     assert len(chains) == 2   # split where a float output (the returned block output) is quantized again
-    assert sum(isinstance(k, DnnlConv2d) for k in members) == 5 and sum(type(k).__name__ == "MaxPool2dU8"
+    assert sum(isinstance(k, DnnlConv2d) for k in members) == 6 and sum(type(k).__name__ == "MaxPool2dU8"
                                                                         for k in members) == 1
     runs = []
     real_run = DnnlConv2d.run
     monkeypatch.setattr(DnnlConv2d, "run", lambda self, *a: runs.append(self) or real_run(self, *a))
     first = opt(x1)
     assert not runs                       # the bound chain ran its members: no layer-by-layer call
+    bound = [f for c in chains for f in c.bindings().values()]
+    assert bound and all(f is not None for f in bound)
+    # the shortcut's int8 output is summed in place by the layer that adds it (its last reader)
+    assert sum(len(f.in_place) for f in bound) == 1
     kept = [t.clone() for t in first]
     second = opt(x2)
     for a, b, c in zip(first, kept, second):
