@@ -3,6 +3,7 @@ Linear and Conv2d kernels of the ``onednn`` family (u8 x s8 with scales, zero po
 add and the activation inside the primitive)."""
 from __future__ import annotations
 
+import collections
 import threading
 
 import torch
@@ -311,6 +312,9 @@ class PrimitiveChain:
     caller may keep it) or a buffer reused across calls (the runtime found no caller sees it)."""
 
     output_aliases_inputs = False
+    # input signatures bound per thread (each holds the buffers of the values inside the chain; a
+    # model served at many shapes keeps the most recently used ones)
+    MAX_BINDINGS = 8
 
     def __init__(self, members, exports, fresh):
         if len(exports) != len(fresh):
@@ -364,10 +368,14 @@ class PrimitiveChain:
         key = tuple((t.dtype, tuple(t.shape), t.stride()) for t in inputs)
         bound = getattr(self._tls, "bound", None)
         if bound is None:
-            bound = self._tls.bound = {}
+            bound = self._tls.bound = collections.OrderedDict()
         run = bound.get(key, _UNBOUND)
         if run is _UNBOUND:
             run = bound[key] = self._bind(inputs)
+            while len(bound) > self.MAX_BINDINGS:   # the least recently used signature's buffers go
+                bound.popitem(last=False)
+        else:
+            bound.move_to_end(key)
         return self._stepwise(inputs) if run is None else run(inputs)
 
     def _bind(self, inputs):

@@ -826,6 +826,16 @@ def test_int8_convolutions_run_as_a_bound_chain_of_primitives(monkeypatch):
         for outs in got[k]:
             assert all(torch.equal(a, b) for a, b in zip(outs, want))
 
+    # served at many batch sizes, a chain keeps the bindings of the most recent signatures only
+    with torch.no_grad():
+        for b in range(1, PrimitiveChain.MAX_BINDINGS + 4):
+            x = torch.randn(b, 3, 32, 32, generator=gen(60 + b))
+            for got, ref in zip(plan.program(x), m(x)):
+                assert compare(got, ref)[0] >= MIN_COSINE
+            assert all(len(c.bindings()) <= PrimitiveChain.MAX_BINDINGS for c in chains)
+    assert all(len(c.bindings()) == PrimitiveChain.MAX_BINDINGS for c in chains)
+    assert all(f is not None for c in chains for f in c.bindings().values())
+
 
 class _QKV(nn.Module):
     """A self-attention block: three projections of one input, attention, an output projection and
