@@ -157,7 +157,21 @@ def _check_weights(wq, w_scales, w_zero_points, kind):
     return ws.contiguous()
 
 
-class _Kernel:
+class PerThreadState:
+    """An object whose per-thread buffers live in ``self._tls``: a copy or a pickle leaves them
+    behind (each thread of the copy makes its own)."""
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_tls", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._tls = threading.local()
+
+
+class _Kernel(PerThreadState):
     family = "?"
     kind = "?"
     # a call returns a tensor of its own (new, or this kernel's reused buffer), never a view of an
@@ -189,15 +203,6 @@ class _Kernel:
         # set by the runtime (cpu_opt.compiler.runtime) when no caller can see this layer's output: a
         # family that writes into a buffer of its own then reuses it across calls (one per thread)
         self.reuse_output = False
-        self._tls = threading.local()
-
-    def __getstate__(self):   # copy / deepcopy / pickle: the per-thread buffers stay behind
-        state = dict(self.__dict__)
-        state.pop("_tls", None)
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
         self._tls = threading.local()
 
     def _output(self, key, shape, dtype, memory_format=torch.contiguous_format):

@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from .int8 import Conv2dKernel, LinearKernel, _is_fake, chain_u8, input_u8
+from .int8 import Conv2dKernel, LinearKernel, PerThreadState, _is_fake, chain_u8, input_u8
 
 
 class DnnlLinear(LinearKernel):
@@ -294,7 +294,7 @@ CHAIN_MEMBERS = (DnnlConv2d, MaxPool2dU8)
 _UNBOUND = object()
 
 
-class PrimitiveChain:
+class PrimitiveChain(PerThreadState):
     """Consecutive steps of the runtime program that are all primitives of cpu_opt's oneDNN binding
     (an int8 CNN's convolutions and max-pool: ResNet-50's 53 convolutions and its stem pooling), run
     as one step. Per thread and input signature the chain binds every primitive's memory once: the
@@ -330,15 +330,6 @@ class PrimitiveChain:
         self.fresh = list(fresh)
         self._tls = threading.local()
         self.__name__ = "onednn_primitive_chain"
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state.pop("_tls", None)
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._tls = threading.local()
 
     def __deepcopy__(self, memo):
         return self   # its kernels are immutable and shared by a deep copy; bindings are per thread
