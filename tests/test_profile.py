@@ -45,6 +45,26 @@ def _other_backend(work, dtype, rows=None, choices=("onednn", "torch_onednn", "t
 
 # ------------------------------------------------------------------ calibrate writes a profile
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_float_linear_candidates_read_cold_weight_copies_with_the_same_answers(dtype, monkeypatch):
+    """Each float linear candidate cycles through weight copies (cold weights, as inside a model);
+    every call of every candidate gives the same answer, whichever copy it read."""
+    assert calibrate._cold_copies(torch.empty(3072, 768, dtype=torch.bfloat16)) == 8     # BERT's FFN in bf16
+    assert calibrate._cold_copies(torch.empty(4096, 4096)) == 1                           # a 64 MB GEMV
+    assert calibrate._cold_copies(torch.empty(8, 8)) == calibrate.MAX_COPIES
+    made = []
+    real_clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda self, *a, **k: made.append(1) or real_clone(self, *a, **k))
+    built = calibrate._linear(dtype, (4, 64, 96))
+    assert len(made) == calibrate.MAX_COPIES - 1
+    assert "onednn" in built.fns or "onednn" in built.excluded
+    assert "torch" in built.fns
+    for name, fn in built.fns.items():
+        first = fn().float()
+        for _ in range(calibrate.MAX_COPIES + 1):
+            assert torch.equal(fn().float(), first), name
+
+
 def test_calibrate_writes_a_profile_that_routes_then_follow():
     prof = calibrate.calibrate(quick=True, progress=False, write=True)
     assert os.path.exists(prof.path) and prof.path == str(profile.path_for())
