@@ -329,6 +329,7 @@ class PrimitiveChain(PerThreadState):
         self.exports = list(exports)
         self.fresh = list(fresh)
         self._tls = threading.local()
+        self.unbound: dict = {}   # input signature -> why the chain could not bind (it runs layer by layer)
         self.__name__ = "onednn_primitive_chain"
 
     def __deepcopy__(self, memo):
@@ -362,7 +363,12 @@ class PrimitiveChain(PerThreadState):
             bound = self._tls.bound = collections.OrderedDict()
         run = bound.get(key, _UNBOUND)
         if run is _UNBOUND:
-            run = bound[key] = self._bind(inputs)
+            try:
+                run = self._bind(inputs)
+            except Exception as e:  # noqa: BLE001 - the members' own path still runs (and raises what is wrong)
+                run = None
+                self.unbound[key] = f"{type(e).__name__}: {e}"
+            bound[key] = run
             while len(bound) > self.MAX_BINDINGS:   # the least recently used signature's buffers go
                 bound.popitem(last=False)
         else:
@@ -416,7 +422,10 @@ class PrimitiveChain(PerThreadState):
             if other is not None and other[0] == "step" and other != src and other[1] not in exported \
                     and last_read[other[1]] == j:
                 # this member is the residual's last reader and the chain owns its buffer
-                b = kernel.chain_bind(tuple(prepared[0].shape), prepared[1], in_place=True)
+                try:
+                    b = kernel.chain_bind(tuple(prepared[0].shape), prepared[1], in_place=True)
+                except Exception:  # noqa: BLE001 - no in-place sum here (oneDNN refused it): the add
+                    b = None
                 if b is not None:
                     in_place[j] = other[1]
             if b is None:

@@ -168,7 +168,7 @@ class DynamoModule(torch.nn.Module):
     def report(self) -> dict:
         with self._lock:
             states = list(self._graphs)
-        graphs, parts, fallbacks, routed, attention, breaks = [], [], [], [], [], []
+        graphs, parts, fallbacks, routed, attention, breaks, chains = [], [], [], [], [], [], []
         views = plans = 0
         for i, st in enumerate(states):
             r = st["m"].report() if "m" in st else None
@@ -185,6 +185,7 @@ class DynamoModule(torch.nn.Module):
             fallbacks += [dict(f, graph=i) for f in r["fallbacks"]]
             routed += [dict(x, graph=i) for x in r["routed"]]
             attention += [dict(a, graph=i) for a in r["attention"]]
+            chains += [dict(c, graph=i) for c in r.get("primitive_chains", ())]
             views += r["views_in_torch"]
             plans += r.get("plans_compiled", 0)
         capture_notes = [f"torch.export and FX symbolic tracing could not capture the model ({self._capture_error}); "
@@ -195,7 +196,9 @@ class DynamoModule(torch.nn.Module):
             "capability": "optimize",
             "dtype": self.dtype,
             "notes": capture_notes,
-            "counts": {"graphs": len(states), "graph_breaks": len(breaks)},
+            "counts": {"graphs": len(states), "graph_breaks": len(breaks), "primitive_chains": len(chains),
+                       "chained_primitives": sum(c["primitives"] for c in chains)},
+            "primitive_chains": chains,
             "capture": "dynamo",
             "capture_notes": capture_notes,
             "passes": [],

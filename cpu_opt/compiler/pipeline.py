@@ -430,11 +430,13 @@ class OptimizedModule(torch.nn.Module):
             attention = [{"node": n.name, "route": r.backend, "why": r.why} for n, r in low.attention]
             views = len(low.views)
             routed = [{"node": n.name, "op": _op_name(n.target), "route": b, "why": why} for n, (b, why) in low.routed]
+        chains = _chains_report(plan.program)
         return {
             "capability": "optimize",
             "dtype": self.dtype,
             "notes": list(self._captured.notes) + list(plan.log),
-            "counts": {},
+            "counts": {"primitive_chains": len(chains), "chained_primitives": sum(c["primitives"] for c in chains)},
+            "primitive_chains": chains,
             "capture": self._captured.method,
             "capture_notes": list(self._captured.notes),
             "passes": list(plan.log),
@@ -844,3 +846,18 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
     if autotune and opt._base_plan.steps:
         opt = _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options)
     return opt
+
+
+def _chains_report(program) -> list[dict]:
+    """The runtime's primitive chains (:class:`cpu_opt.backends.onednn_primitives.PrimitiveChain`):
+    how many primitives each runs, and the input signatures it could not bind (then it ran layer by
+    layer), with the reason."""
+    from ..backends.onednn_primitives import PrimitiveChain
+
+    out = []
+    for n in getattr(getattr(program, "graph", None), "nodes", ()):
+        if n.op == "call_function" and isinstance(n.target, PrimitiveChain):
+            c = n.target
+            out.append({"node": n.name, "primitives": len(c.members), "outputs": len(c.exports),
+                        "unbound": [{"signature": str(k), "why": v} for k, v in c.unbound.items()]})
+    return out

@@ -769,11 +769,14 @@ def test_int8_convolutions_run_as_a_bound_chain_of_primitives(monkeypatch):
     with torch.no_grad():
         ref1, ref2 = m(x1), m(x2)
     if not (onednn and activation_qmax() == 255 and plan.lowered is not None):
-        assert not chains and not chained
+        assert not chains and not chained and opt.report()["counts"]["primitive_chains"] == 0
         for got, ref in zip(opt(x1), ref1):
             assert compare(got, ref)[0] >= MIN_COSINE
         return
     assert chains and chained
+    rep = opt.report()
+    assert rep["counts"]["primitive_chains"] == len(chains) == len(rep["primitive_chains"])
+    assert rep["counts"]["chained_primitives"] == sum(len(c.members) for c in chains)
     members = [k for c in chains for k, _src, _other in c.members]
     assert len(chains) == 2   # split where a float output (the returned block output) is quantized again
     assert sum(isinstance(k, DnnlConv2d) for k in members) == 6 and sum(type(k).__name__ == "MaxPool2dU8"
@@ -806,6 +809,20 @@ def test_int8_convolutions_run_as_a_bound_chain_of_primitives(monkeypatch):
         assert torch.equal(a, b)
     for a, b in zip(step["b"], second):
         assert torch.equal(a, b)
+
+    # a chain that cannot bind (here: made to fail) runs layer by layer and says why
+    def refuse(self, inputs):
+        raise RuntimeError("no binding in this test")
+
+    monkeypatch.setattr(PrimitiveChain, "_bind", refuse)
+    t = threading.Thread(target=lambda: step.update(c=opt(x1)))
+    t.start()
+    t.join()
+    monkeypatch.undo()
+    assert all(torch.equal(a, b) for a, b in zip(step["c"], kept))
+    assert all("no binding in this test" in why for c in chains for why in c.unbound.values())
+    assert all(c.unbound for c in chains)
+    assert all(ch["unbound"] and "no binding" in ch["unbound"][0]["why"] for ch in opt.report()["primitive_chains"])
 
     # two threads at once, each with its own bound buffers
     got, errors = {}, []
