@@ -202,8 +202,10 @@ class DnnlConv2d(Conv2dKernel):
             return self._conv(tuple(src_shape), other)
         if other is None or not self._integer_residual(other):
             return None
+        from cpu_opt.dnnl.primitives import _same_strides
+
         b = self._conv(tuple(src_shape), other, in_place=True)
-        if b.out_shape != tuple(other.shape) or not _same_layout(b.out_strides, other):
+        if b.out_shape != tuple(other.shape) or not _same_strides(other, b.out_strides):
             return None
         return b
 
@@ -281,12 +283,6 @@ class MaxPool2dU8:
 
     def __repr__(self):
         return f"MaxPool2dU8{self.args}"
-
-
-def _same_layout(strides, t: torch.Tensor) -> bool:
-    from cpu_opt.dnnl.primitives import _same_strides
-
-    return _same_strides(t, strides)
 
 
 # the kernels a PrimitiveChain takes (one bound primitive per call, chain_src / chain_bind)
@@ -388,13 +384,10 @@ class PrimitiveChain(PerThreadState):
             return None
         layouts = []      # per member: (shape, strides, dtype) of its output
         external = []     # (member, role, input index, (shape, strides, dtype) after the member's preparation)
-        specs, reads = [], []
+        specs = []
         exported = {j: k for k, j in enumerate(self.exports)}
-        last_read = {}
-        for j, (_kernel, src, other) in enumerate(self.members):
-            for r in (src, other):
-                if r is not None and r[0] == "step":
-                    last_read[r[1]] = j
+        reads = [[r[1] for r in (src, other) if r is not None and r[0] == "step"] for _k, src, other in self.members]
+        last_read = {i: j for j, rs in enumerate(reads) for i in rs}
         in_place = {}     # member -> the member whose buffer (its residual) it sums from and overwrites
         for j, (kernel, src, other) in enumerate(self.members):
             prepared = []
@@ -443,7 +436,6 @@ class PrimitiveChain(PerThreadState):
                         or not _same_strides(o, bstrides[len(bshape) - o.dim():]):
                     return None
             specs.append((b, spec))
-            reads.append([r[1] for r in (src, other) if r is not None and r[0] == "step"])
             layouts.append((b.out_shape, b.out_strides, b.dst_dtype))
 
         n = len(self.members)
