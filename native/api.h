@@ -156,6 +156,23 @@ int64_t KFN(transformer_backward_bf16_i32)(const int64_t *rowptr, int64_t n_dst,
  * (any other overlap does not). CO_ERR_BAD_ARGUMENT for n < 0, nthreads < 1 or a NULL pointer. */
 int64_t KFN(gelu_erf_f32)(const float *x, float *y, int64_t n, int nthreads);
 
+/* ---- LayerNorm + uint8 quantization (native/kernels/layer_norm.c) ----
+ * layer_norm_u8_f32: torch's layer_norm over the last `cols` of `rows` rows (row r at x + r * x_stride),
+ * written as floats to y (dense rows) and/or as uint8 to q: clamp(rint(n * inv_scale) + zero_point,
+ * 0, qmax). gamma / beta may be NULL. CO_ERR_BAD_ARGUMENT for negative sizes, x_stride < cols, eps < 0,
+ * a scale that is not finite and positive, a zero point outside [0, qmax], qmax outside [0, 255],
+ * nthreads < 1, a NULL x, or both outputs NULL. */
+int64_t KFN(layer_norm_u8_f32)(const float *x, int64_t rows, int64_t cols, int64_t x_stride, const float *gamma, const float *beta, double eps, float *y, uint8_t *q, float inv_scale, int32_t zero_point, int32_t qmax, int nthreads);
+
+/* ---- fused bf16 attention on AMX tiles (native/kernels/amx_attention.c) ----
+ * amx_attention_bf16: out (float32) = softmax(scale q k^T + mask) v over B x H heads, bf16 q / k / v;
+ * every operand 4-D with strides s[0..2] (elements) and a dense last dimension, mask NULL or float32
+ * with strides 0 where it broadcasts; q_len etc. bound each operand's reach (elements). nk up to
+ * 16384, d and dv up to 512. CO_ERR_UNSUPPORTED_AMX (-6) outside the avx512 variant or when the
+ * kernel refuses this process the AMX tile state; CO_ERR_INDEX_OUT_OF_RANGE when an operand reaches
+ * past its length; CO_ERR_NO_MEMORY when a thread's packing buffers cannot be allocated. */
+int64_t KFN(amx_attention_bf16)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k, int64_t k_len, const int64_t *ks, const uint16_t *v, int64_t v_len, const int64_t *vs, int64_t B, int64_t H, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale, const float *mask, int64_t mask_len, const int64_t *ms, float *out, int64_t out_len, const int64_t *os, int nthreads);
+
 /* ---- decode-step GEMV (native/kernels/gemv.c) ----
  * gemv_f32: y (M x N) = x (M x K) W^T + bias, 1 <= M <= 8, W K x N row-major when w_kn = 1, N x K
  * when w_kn = 0; bias N floats or NULL; all row-major and dense. CO_ERR_BAD_ARGUMENT for sizes out

@@ -10,6 +10,7 @@ Same signature as ``aten.scaled_dot_product_attention`` (causal and additive/boo
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -62,3 +63,107 @@ def bf16_flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False
         q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), mask, dropout_p, is_causal, scale=scale,
         enable_gqa=enable_gqa)
     return out.float()
+
+
+def amx_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The attention of an int8 graph on a CPU with AMX, in one call of cpu_opt's fused kernel
+    (``native/kernels/amx_attention.c``): per head, ``q @ k^T`` and ``p @ v`` on AMX tiles around a
+    softmax in registers, q / k / v read where they lie (the strided views of the fused projection),
+    the float32 output written straight into the (batch, seq, heads, dim) layout the output projection
+    reads. Same answers as :func:`bf16_flash_attention` (bf16 operands, float32 scores, the
+    probabilities rounded to bf16 before ``p @ v``), which takes what this kernel does not: dropout,
+    a causal flag, grouped heads, other ranks, a CPU or kernel without AMX tiles."""
+    from .. import native
+    from .int8 import _is_fake
+
+    if dropout_p or is_causal or enable_gqa or _AMX_REFUSED or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or \
+            k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3] or q.shape[3] != k.shape[3] or \
+            q.dtype not in _FLOATS or k.dtype not in _FLOATS or v.dtype not in _FLOATS or q.device.type != "cpu" or \
+            k.device.type != "cpu" or v.device.type != "cpu" or k.shape[2] > 16384 or q.shape[3] > 512 or v.shape[3] > 512:
+        return bf16_flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if type(q) is not torch.Tensor and _is_fake(q):   # shape propagation: the same shape, dtype and layout
+        return bf16_flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    B, H, Sq, D = q.shape
+    Sk, Dv = k.shape[2], v.shape[3]
+    mask = _float_mask(attn_mask, (B, H, Sq, Sk))
+    if mask is False:   # a mask of a shape this kernel does not read
+        return bf16_flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+    ops = []
+    for t in (q, k, v):
+        if t.dtype != torch.bfloat16:
+            t = t.to(torch.bfloat16)
+        if t.stride(3) != 1 and t.shape[3] > 1:
+            t = t.contiguous()
+        ops.append(t)
+    out = torch.empty(B, Sq, H, Dv)
+    res = out.transpose(1, 2)
+    if 0 in res.shape:
+        return res
+    ffi = native.ffi()
+    # strides (elements; 0 where a dimension broadcasts) of q, k, v, out, mask: one array
+    tensors = (*ops, res) if mask is None else (*ops, res, mask)
+    st = ffi.new("int64_t[15]", [t.stride(i) if t.shape[i] > 1 else 0 for t in tensors for i in range(3)])
+    lens = [t.untyped_storage().nbytes() // t.element_size() - t.storage_offset() for t in tensors]
+    qb, kb, vb = ops
+    fn = _amx_kernel()
+    if fn is None:   # no AMX tiles here (or not under the ISA cap in force)
+        return bf16_flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    status = fn(ffi.cast("uint16_t *", qb.data_ptr()), lens[0], st, ffi.cast("uint16_t *", kb.data_ptr()), lens[1], st + 3,
+                ffi.cast("uint16_t *", vb.data_ptr()), lens[2], st + 6, B, H, Sq, Sk, D, Dv, scale,
+                ffi.NULL if mask is None else ffi.cast("float *", mask.data_ptr()), 0 if mask is None else lens[4],
+                ffi.NULL if mask is None else st + 12, ffi.cast("float *", out.data_ptr()), lens[3], st + 9,
+                torch.get_num_threads())
+    if status == _UNSUPPORTED:
+        _refuse()
+        return bf16_flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    native.check(status, "amx_attention_bf16")
+    return res
+
+
+_amx_fns: dict = {}
+
+
+def _amx_kernel():
+    """The kernel where this CPU, under the ISA cap in force, has AMX-BF16 tiles (only the avx512
+    variant runs it: every CPU with AMX has AVX-512), else None; resolved once per cap."""
+    from .. import native
+    from ..platform import hw
+
+    key = tuple(os.environ.get(k) for k in native._CAP_VARS)
+    if key not in _amx_fns:
+        info = hw.detect()
+        ok = info.has("amx_bf16") and info.has("amx_tile") and native.select_variant(info) == "avx512"
+        _amx_fns[key] = native.kernel("amx_attention_bf16") if ok else None
+    return _amx_fns[key]
+
+
+_FLOATS = (torch.float32, torch.bfloat16)
+_UNSUPPORTED = -6   # CO_ERR_UNSUPPORTED_AMX: no AMX variant here, or the OS refused the tile state
+_AMX_REFUSED = False
+
+
+def _refuse() -> None:
+    global _AMX_REFUSED
+    _AMX_REFUSED = True
+
+
+def _float_mask(attn_mask, shape):
+    """``attn_mask`` as a float32 additive mask of rank 4 whose every dimension is 1 or ``shape``'s
+    and whose last is dense and full (None stays None); False where it cannot be."""
+    if attn_mask is None:
+        return None
+    m = attn_mask
+    if m.dtype == torch.bool:
+        m = torch.zeros(m.shape, dtype=torch.float32).masked_fill_(m.logical_not(), float("-inf"))
+    elif m.dtype != torch.float32:
+        m = m.float()
+    if m.dim() > 4:
+        return False
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    if any(a not in (1, b) for a, b in zip(m.shape, shape)):
+        return False
+    if m.shape[3] != shape[3] or m.stride(3) != 1:
+        m = m.expand(*m.shape[:3], shape[3]).contiguous()
+    return m

@@ -229,7 +229,8 @@ def test_optimize_path_accuracy_and_kernels(name, results):
         assert set(li) >= {"layer", "node", "kind", "family", "why", "post_op", "residual_add", "smoothquant",
                            "in", "out"}
         assert li["family"] in FAMILIES and li["why"]
-        assert li["in"] in ("fp32", "uint8 (chained)") and li["out"] in ("fp32", "uint8 (chained)", "int8 (residual)")
+        assert li["in"] in ("fp32", "uint8 (chained)", "uint8 (from the LayerNorm before it)") and \
+            li["out"] in ("fp32", "uint8 (chained)", "int8 (residual)")
         assert li["smoothquant"] is (r.kind == "transformer")   # the transformer preset's SmoothQuant
     calls = sum(r.opt_calls.values())
     assert calls == len(int8), (r.opt_calls, len(int8))
@@ -918,7 +919,8 @@ def _force_bf16_attention(monkeypatch, real_route):
     monkeypatch.setattr(api, "choose_family", lambda kind, rows, macs, conv=None: ("onednn", "forced"))
     monkeypatch.setattr(routing, "auto_dtype", lambda info=None: "bf16")
     monkeypatch.setattr(routing, "route", lambda work, dtype, *a, **k: routing.Route(work, dtype, "torch_flash", "forced")
-                        if (work, dtype) == ("attention", "bf16") else real_route(work, dtype, *a, **k))
+                        if (work, dtype) in (("attention", "bf16"), ("attention", "int8"))
+                        else real_route(work, dtype, *a, **k))
 
 
 @pytest.mark.isa

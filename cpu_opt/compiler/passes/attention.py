@@ -14,27 +14,31 @@ def route_attention(gm: torch.fx.GraphModule, dtype: str, int8: bool = False) ->
     """Attention ops go where the attention route says: torch's flash kernel (the SDPA node as it is)
     or matmul -> softmax -> matmul in the graph's dtype (:mod:`cpu_opt.backends.attention`).
 
-    ``int8``: the float32 attention of an int8 graph (its matmuls are not quantized) runs torch's flash
+    ``int8``: the float32 attention of an int8 graph (its matmuls are not quantized) runs cpu_opt's fused
+    AMX kernel where the ``attention``/``int8`` route says so (CPUs with AMX tiles:
+    :func:`cpu_opt.backends.attention.amx_attention`), else torch's flash
     kernel in bf16 where the CPU has native bf16 math and the bf16 route is that kernel: BERT-base's
     (1x12x128x64, padding mask, inputs strided views of the projections) 239 us with the casts against
     282 in fp32 alone, 375 against 410 inside the int8 model, relative error 3.7e-3 (Xeon with AMX,
     2 threads); the int8 layers around it are 1e-2 off already."""
     if int8 and dtype == "fp32" and routing.auto_dtype() == "bf16":
-        rb = routing.route("attention", "bf16")
-        if rb.backend == "torch_flash":
-            from ...backends.attention import bf16_flash_attention
+        ra, rb = routing.route("attention", "int8"), routing.route("attention", "bf16")
+        if ra.backend == "amx_bf16" or rb.backend == "torch_flash":
+            from ...backends.attention import amx_attention, bf16_flash_attention
 
+            amx = ra.backend == "amx_bf16" and _amx_kernel_here()
             done = []
             for n in gm.graph.nodes:
                 if n.op == "call_function" and n.target == aten.scaled_dot_product_attention.default and \
                         not n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0):
-                    n.target = bf16_flash_attention
+                    n.target = amx_attention if amx else bf16_flash_attention
                     done.append(n)
             n_bf16 = bf16_projections(gm, done)
             gm.recompile()
-            return [f"{len(done)} attention op(s) of the int8 graph on torch's flash kernel in bf16 (native bf16 "
-                    f"math here; {rb.why})" + (f"; {n_bf16} int8 projection(s) feeding them write bf16" if n_bf16 else "")
-                    ] if done else []
+            where = f"cpu_opt's fused AMX kernel ({ra.why})" if amx else \
+                f"torch's flash kernel in bf16 (native bf16 math here; {rb.why})"
+            return [f"{len(done)} attention op(s) of the int8 graph on {where}"
+                    + (f"; {n_bf16} int8 projection(s) feeding them write bf16" if n_bf16 else "")] if done else []
     r = routing.route("attention", dtype)
     if r.backend not in ("bf16_matmul_softmax", "matmul_softmax"):
         return []
@@ -52,6 +56,16 @@ def route_attention(gm: torch.fx.GraphModule, dtype: str, int8: bool = False) ->
     return [f"{n_done} attention op(s) routed to {r.backend.replace('_', ' ')} ({r.why})"] if n_done else []
 
 
+def _amx_kernel_here() -> bool:
+    """Is the native AMX attention kernel built and selectable here (the avx512 variant)?"""
+    from ... import native
+
+    try:
+        return native.select_variant() == "avx512"
+    except Exception:  # noqa: BLE001 - no native build
+        return False
+
+
 def shared_masks(gm: torch.fx.GraphModule) -> list[str]:
     """A boolean mask read by several attention ops on torch's kernel becomes one additive mask,
     made once per call, which they all read. torch's SDPA turns a boolean mask into that additive
@@ -59,18 +73,22 @@ def shared_masks(gm: torch.fx.GraphModule) -> list[str]:
     from one padding mask (the flash kernel 1x12x128x64 bf16: 157 us with the boolean mask, 142 with
     the additive one; Xeon with AMX, 2 threads). The numbers are the same: torch computes exactly
     this tensor itself."""
-    from ...backends.attention import additive_mask, bf16_flash_attention
+    from ...backends.attention import additive_mask, amx_attention, bf16_flash_attention
 
     groups: dict = {}
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in (aten.scaled_dot_product_attention.default, bf16_flash_attention):
+        if n.op != "call_function" or n.target not in (aten.scaled_dot_product_attention.default, bf16_flash_attention,
+                                                       amx_attention):
             continue
         in_args = len(n.args) > 3
         mask = n.args[3] if in_args else n.kwargs.get("attn_mask")
         mv, qv = getattr(mask, "meta", {}).get("val"), n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
         if not isinstance(mv, torch.Tensor) or mv.dtype != torch.bool or not isinstance(qv, torch.Tensor):
             continue
-        dt = torch.bfloat16 if n.target is bf16_flash_attention else qv.dtype
+        # the mask in the dtype the kernel adds it in: bf16 for torch's bf16 flash kernel, float32 for the
+        # AMX kernel's (float32) scores, else the query's
+        dt = torch.bfloat16 if n.target is bf16_flash_attention else torch.float32 if n.target is amx_attention \
+            else qv.dtype
         groups.setdefault((mask, dt), []).append((n, in_args))
     made = 0
     for (mask, dt), users in groups.items():

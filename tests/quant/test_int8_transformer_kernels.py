@@ -1,0 +1,269 @@
+"""The two native kernels around an int8 transformer's GEMMs: the fused AMX attention
+(``native/kernels/amx_attention.c``, :func:`cpu_opt.backends.attention.amx_attention`) and the
+LayerNorm that writes its int8 consumers' uint8 input (``native/kernels/layer_norm.c``,
+:class:`cpu_opt.backends.native_norm.LayerNormU8`): numbers against float references, what happens
+where the CPU lacks AMX (torch's kernel runs, and the test says which ran), bad input, and their
+place in an int8 Hugging Face BERT."""
+import math
+
+import pytest
+import torch
+
+import cpu_opt
+from cpu_opt import native
+from cpu_opt.backends import attention as battn
+from cpu_opt.backends import native_norm
+from cpu_opt.errors import NativeKernelError
+from cpu_opt.platform import hw
+
+from .quant_testutil import compare, gen
+
+MIN_COSINE = 0.99   # the issue's int8 accuracy bar (as in test_int8_models)
+
+pytestmark = [pytest.mark.isa, pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning")]
+
+
+def _amx_here() -> bool:
+    info = hw.detect()
+    return info.has("amx_bf16") and info.has("amx_tile") and native.select_variant(info) == "avx512"
+
+
+def _reference(q, k, v, mask, scale):
+    """float64 scores, the exponentials rounded to bf16 before p @ v and normalised after (what the
+    kernel computes; torch's bf16 flash kernel does the same up to its own rounding)."""
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s + (torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, float("-inf"))
+                 if mask.dtype == torch.bool else mask.double())
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return (e.float().bfloat16().double() @ v.double()) / e.sum(-1, keepdim=True)
+
+
+def _qkv(B, H, Sq, Sk, D, Dv, seed):
+    """q as the strided head view of a fused projection's output (as in BERT), k and v as views of
+    (batch, seq, heads, dim) tensors."""
+    g = gen(seed)
+    fused = torch.randn(B, Sq, H * D + 24, generator=g).bfloat16()
+    q = fused[..., 8:8 + H * D].view(B, Sq, H, D).transpose(1, 2)
+    k = torch.randn(B, Sk, H, D, generator=g).bfloat16().transpose(1, 2)
+    v = torch.randn(B, Sk, H, Dv, generator=g).bfloat16().transpose(1, 2)
+    return q, k, v
+
+
+@pytest.fixture
+def flash_calls(monkeypatch):
+    """How often the attention fell back to torch's bf16 flash kernel."""
+    calls = []
+    real = battn.bf16_flash_attention
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(battn, "bf16_flash_attention", spy)
+    return calls
+
+
+MASKS = ("none", "padding", "full", "bool")
+
+
+@pytest.mark.parametrize("B,H,Sq,Sk,D,Dv", [(1, 12, 128, 128, 64, 64), (2, 3, 37, 37, 64, 64), (1, 2, 5, 70, 40, 24),
+                                            (3, 4, 16, 16, 128, 128), (1, 1, 1, 1, 64, 64), (2, 2, 33, 129, 96, 80)])
+@pytest.mark.parametrize("mask_kind", MASKS)
+def test_amx_attention_matches_the_reference(B, H, Sq, Sk, D, Dv, mask_kind, flash_calls):
+    q, k, v = _qkv(B, H, Sq, Sk, D, Dv, seed=B * 100 + Sq + Sk)
+    g = gen(7)
+    mask = {"none": None,
+            "padding": torch.zeros(B, 1, 1, Sk).masked_fill(torch.arange(Sk) >= max(1, Sk - 3), float("-inf")),
+            "full": torch.randn(B, 1, Sq, Sk, generator=g),
+            "bool": torch.rand(B, 1, Sq, Sk, generator=g) > 0.3}[mask_kind]
+    if mask_kind == "bool":
+        mask[..., 0] = True   # no row entirely masked (torch's kernel gives NaN there)
+    scale = 1.0 / math.sqrt(D)
+    out = battn.amx_attention(q, k, v, mask, scale=scale)
+    ref = _reference(q, k, v, mask, scale)
+    assert out.dtype == torch.float32 and out.shape == (B, H, Sq, Dv)
+    err = (out.double() - ref).abs().max().item()
+    if _amx_here():
+        assert not flash_calls, "the AMX kernel should have run"
+        # written in the (batch, seq, heads, dim) layout the output projection reads as (batch, seq, heads * dim)
+        assert out.transpose(1, 2).is_contiguous()
+        assert err < 2e-3, err        # bf16 rounding of the exponentials, whose ties may differ
+    else:
+        assert flash_calls, "without AMX the attention is torch's bf16 flash kernel"
+        assert err < 5e-2, err
+
+
+def test_amx_attention_fully_masked_rows_are_zero_and_other_calls_go_to_torch(flash_calls):
+    q, k, v = _qkv(1, 2, 8, 8, 64, 64, seed=3)
+    mask = torch.zeros(1, 1, 8, 8)
+    mask[:, :, 2] = float("-inf")
+    out = battn.amx_attention(q, k, v, mask)
+    if _amx_here():
+        assert not flash_calls
+        assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
+        assert torch.isfinite(out).all()
+    n = len(flash_calls)
+    # what the kernel does not take runs torch's flash kernel, with the same answers
+    for kw in ({"is_causal": True}, {"dropout_p": 0.0, "enable_gqa": True}):
+        battn.amx_attention(q, k, v, None, **kw)
+    assert len(flash_calls) == n + 2
+    battn.amx_attention(q[0], k[0], v[0])   # rank 3
+    assert len(flash_calls) == n + 3
+
+
+@pytest.mark.skipif(not _amx_here(), reason="the kernel's bounds checks run in its AMX variant only; "
+                    "elsewhere it returns CO_ERR_UNSUPPORTED_AMX before reading anything (asserted below)")
+def test_amx_attention_kernel_checks_every_operand_bound():
+    q, k, v = (torch.randn(1, 2, 16, 64).bfloat16() for _ in range(3))
+    out = torch.empty(1, 2, 16, 64)
+    f = native.ffi()
+    fn = native.kernel("amx_attention_bf16")
+    st = f.new("int64_t[15]", [2048, 1024, 64] * 4 + [0, 0, 16])
+    mask = torch.zeros(1, 1, 16, 16)
+    u16, f32 = (lambda t: f.cast("uint16_t *", t.data_ptr())), (lambda t: f.cast("float *", t.data_ptr()))
+
+    def call(q_len=2048, k_len=2048, v_len=2048, out_len=2048, m_len=256, nk=16):
+        return fn(u16(q), q_len, st, u16(k), k_len, st + 3, u16(v), v_len, st + 6, 1, 2, 16, nk, 64, 64, 0.125,
+                  f32(mask), m_len, st + 12, f32(out), out_len, st + 9, 2)
+
+    assert call() == 0
+    for bad in ({"q_len": 2047}, {"k_len": 100}, {"v_len": 0}, {"out_len": 2000}, {"m_len": 255}):
+        assert call(**bad) == -1, bad    # CO_ERR_INDEX_OUT_OF_RANGE, nothing read or written
+    assert call(nk=16385) == -2          # more keys than the kernel takes
+    with pytest.raises(NativeKernelError, match="CO_ERR_INDEX_OUT_OF_RANGE"):
+        native.check(call(q_len=10), "amx_attention_bf16")
+
+
+def test_amx_attention_kernel_refuses_without_its_variant():
+    """Outside the avx512 variant the kernel does nothing and says so; the Python side then runs
+    torch's kernel (asserted in the tests above on a CPU without AMX)."""
+    f = native.ffi()
+    for variant in native.compiled_variants():
+        if variant == "avx512":
+            continue
+        st = f.new("int64_t[3]", [0, 0, 0])
+        assert native.kernel("amx_attention_bf16", variant)(f.NULL, 0, st, f.NULL, 0, st, f.NULL, 0, st, 1, 1, 1, 1,
+                                                             64, 64, 1.0, f.NULL, 0, f.NULL, f.NULL, 0, st, 1) == -6
+
+
+# ------------------------------------------------------------------------------- LayerNorm -> uint8
+@pytest.mark.parametrize("rows,cols,affine", [(128, 768, True), (7, 33, True), (3, 5, False), (1, 1, True),
+                                              (64, 1024, False)])
+@pytest.mark.parametrize("qmax", [255, 127])
+def test_layer_norm_u8_matches_torch_then_quantize(rows, cols, affine, qmax):
+    g = gen(rows * 31 + cols)
+    x = torch.randn(2, rows, cols, generator=g) * 3 + 1
+    w = torch.randn(cols, generator=g) * 0.2 + 1 if affine else None
+    b = torch.randn(cols, generator=g) * 0.1 if affine else None
+    scale, zp = 0.02, min(120, qmax)
+    y, q = native_norm.layer_norm_u8(x, [cols], w, b, 1e-5, scale, zp, qmax=qmax)
+    ref = torch.nn.functional.layer_norm(x.double(), [cols], None if w is None else w.double(),
+                                         None if b is None else b.double(), 1e-5)
+    assert y.shape == x.shape and q.shape == x.shape and q.dtype == torch.uint8
+    assert (y.double() - ref).abs().max() < 2e-5
+    ln = torch.nn.functional.layer_norm(x, [cols], w, b, 1e-5)
+    rq = torch.quantize_per_tensor(ln, scale, zp, torch.quint8).int_repr().to(torch.int).clamp(max=qmax)
+    diff = (q.to(torch.int) - rq).abs()
+    # the same bytes as torch's layer_norm + quantize_per_tensor, but where the two norms differ in the
+    # last float bit at a rounding boundary (off by one there)
+    assert diff.max() <= 1 and diff.float().mean() < 1e-3
+    assert q.max() <= qmax
+    fn = native_norm.LayerNormU8(cols, 1e-5, scale, zp, qmax, want_float=False)
+    assert torch.equal(fn(x.contiguous(), w, b), q)
+
+
+def test_layer_norm_u8_keeps_a_large_offset_out_of_the_variance():
+    x = 1e4 + torch.randn(4, 256, generator=gen(9)) * 1e-2
+    y, _ = native_norm.layer_norm_u8(x, [256], None, None, 1e-12, 0.05, 128)
+    ref = torch.nn.functional.layer_norm(x.double(), [256], eps=1e-12)
+    assert (y.double() - ref).abs().max() < 2e-3   # torch's own float32 layer_norm: about 1e-3 here
+
+
+def test_layer_norm_u8_rejects_bad_input():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="float32"):
+        native_norm.layer_norm_u8(x.double(), [8], None, None, 1e-5, 0.1, 0)
+    with pytest.raises(ValueError, match="last dimension"):
+        native_norm.layer_norm_u8(x, [4], None, None, 1e-5, 0.1, 0)
+    with pytest.raises(ValueError, match="last dimension only"):
+        native_norm.layer_norm_u8(x, [4, 8], None, None, 1e-5, 0.1, 0)
+    with pytest.raises(ValueError, match="scale"):
+        native_norm.layer_norm_u8(x, [8], None, None, 1e-5, 0.0, 0)
+    with pytest.raises(ValueError, match="zero point"):
+        native_norm.layer_norm_u8(x, [8], None, None, 1e-5, 0.1, 200, qmax=127)
+    with pytest.raises(ValueError, match="weight"):
+        native_norm.layer_norm_u8(x, [8], torch.ones(7), None, 1e-5, 0.1, 0)
+    fn = native_norm.LayerNormU8(8, 1e-5, 0.1, 3, 255, want_float=True)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        fn(x.t().contiguous().t(), None, None)
+    with pytest.raises(ValueError, match="bias"):
+        fn(x, None, torch.ones(8, dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------- in an int8 Hugging Face BERT
+def test_int8_bert_norms_and_attention(monkeypatch):
+    """An int8 HF BERT: every LayerNorm in front of int8 layers writes their uint8 input (one native
+    pass) where the vectorized kernel runs, the attention runs the AMX kernel where the CPU has AMX
+    (counted), and the answers stay within the int8 accuracy of fp32."""
+    T = pytest.importorskip("transformers")
+    from cpu_opt.backends.native_norm import LayerNormU8
+    from cpu_opt.quant import kernels as K
+
+    torch.manual_seed(0)
+    m = T.BertModel(T.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                 vocab_size=100, max_position_embeddings=64)).eval()
+    g = gen(11)
+
+    def text(seed):
+        ids = torch.randint(0, 100, (2, 24), generator=gen(seed))
+        mask = torch.ones(2, 24, dtype=torch.long)
+        mask[1, 19:] = 0
+        return {"input_ids": ids, "attention_mask": mask}
+
+    x = text(5)
+    calib = [text(100 + i) for i in range(8)]
+    ran = []
+    real = battn._amx_kernel
+
+    def counting():
+        fn = real()
+        if fn is None:
+            return None
+
+        def wrapped(*a):
+            ran.append(a[9:11])   # B, H
+            return fn(*a)
+        return wrapped
+
+    monkeypatch.setattr(battn, "_amx_kernel", counting)
+    opt = cpu_opt.optimize(m, x, dtype="int8", calibration_data=calib)
+    nodes = [n for n in opt._base_plan.program.graph.nodes if n.op == "call_function"]
+    norms = [n for n in nodes if isinstance(n.target, LayerNormU8)]
+    attention = [n for n in nodes if n.target is battn.amx_attention]
+    ran.clear()   # (optimize ran the plan too: its first call, validation)
+    with torch.no_grad():
+        y, ref = opt(**x).last_hidden_state, m(**x).last_hidden_state
+        y_again = opt(**x).last_hidden_state
+    cos, _ = compare(y, ref)
+    assert cos >= MIN_COSINE, cos
+    assert torch.equal(y, y_again)
+    if native_norm.available():
+        # the embeddings' norm and each layer's two norms are read by int8 layers (the last one only
+        # through the pooler's select: it stays torch's)
+        assert len(norms) == 4, [n.name for n in norms]
+        for n in norms:
+            readers = [u for u in n.users if isinstance(u.target, K.LinearKernel)] + \
+                [u for g_ in n.users for u in g_.users if isinstance(u.target, K.LinearKernel) and u.args[0] is g_
+                 and g_.args[1:] == (1,)]
+            assert readers, n.name
+        assert any("LayerNorm(s) writing the uint8 input" in line for line in opt.report()["passes"])
+    else:
+        assert not norms
+    from cpu_opt.platform import routing
+
+    if _amx_here() and routing.auto_dtype() == "bf16":
+        assert len(attention) == 2 and ran == [(2, 4)] * 4, ran   # 2 layers, 2 calls
+        assert any("fused AMX kernel" in line for line in opt.report()["passes"])
+    else:
+        assert not ran
