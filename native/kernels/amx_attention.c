@@ -176,6 +176,28 @@ static void KFN(co_pack_v)(const uint16_t *v, int64_t vs, int64_t nk, int64_t dv
     }
 }
 
+/* tiles 0-3 = the 32 x 32 float32 product of a (32 rows of k bf16, row stride a_stride bytes: tiles 4, 5)
+ * and b in the pair-interleaved layout (k / 2 pair rows of ldb bf16, the block's first 32 columns:
+ * tiles 6, 7), k a multiple of 32 */
+__attribute__((target("amx-tile,amx-bf16")))
+static inline void KFN(co_tiles_2x2)(const uint16_t *a, int64_t a_stride, const uint16_t *b, int64_t ldb, int64_t k) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kc = 0; kc < k; kc += 32) {
+        const uint16_t *bb = b + (kc / 2) * ldb;
+        _tile_loadd(4, a + kc, a_stride);
+        _tile_loadd(5, (const char *)(a + kc) + 16 * a_stride, a_stride);
+        _tile_loadd(6, bb, ldb * 2);
+        _tile_loadd(7, bb + 32, ldb * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
 __attribute__((target("amx-tile,amx-bf16")))
 static void KFN(co_amx_head)(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t qs, int64_t ks,
                              int64_t vs, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale,
@@ -199,21 +221,7 @@ static void KFN(co_amx_head)(const uint16_t *q, const uint16_t *k, const uint16_
         }
         /* scores, 32 queries x 32 keys per step: C = tiles 0-3, A = 4-5, B = 6-7 */
         for (int64_t n0 = 0; n0 < nk_p; n0 += 32) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t kc = 0; kc < d_p; kc += 32) {
-                const uint16_t *bb = kp + ((kc / 2) * nk_p + n0) * 2;
-                _tile_loadd(4, qa + kc, qstride);
-                _tile_loadd(5, (const char *)(qa + kc) + 16 * qstride, qstride);
-                _tile_loadd(6, bb, nk_p * 4);
-                _tile_loadd(7, bb + 32, nk_p * 4);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
+            KFN(co_tiles_2x2)(qa, qstride, kp + n0 * 2, nk_p * 2, d_p);
             _tile_stored(0, sb + n0, nk_p * 4);
             _tile_stored(1, sb + n0 + 16, nk_p * 4);
             _tile_stored(2, sb + 16 * nk_p + n0, nk_p * 4);
@@ -226,21 +234,7 @@ static void KFN(co_amx_head)(const uint16_t *q, const uint16_t *k, const uint16_
         /* p @ v, 32 queries x 32 output dimensions per step */
         const int whole = direct_out && rows == 32;
         for (int64_t c0 = 0; c0 < dv_p; c0 += 32) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t kc = 0; kc < nk_p; kc += 32) {
-                const uint16_t *bb = vp + ((kc / 2) * dv_p + c0) * 2;
-                _tile_loadd(4, pb + kc, nk_p * 2);
-                _tile_loadd(5, pb + 16 * nk_p + kc, nk_p * 2);
-                _tile_loadd(6, bb, dv_p * 4);
-                _tile_loadd(7, bb + 32, dv_p * 4);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
+            KFN(co_tiles_2x2)(pb, nk_p * 2, vp + c0 * 2, dv_p * 2, nk_p);
             if (whole && c0 + 32 <= dv) {   /* straight into the output */
                 float *o = out + i0 * os + c0;
                 _tile_stored(0, o, os * 4);
