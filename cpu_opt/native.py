@@ -119,16 +119,12 @@ def _kernel(name: str, variant: str | None):
     if missing:
         # Running it would die on an illegal instruction: refuse instead.
         raise RuntimeError(f"native variant {v!r} needs {sorted(missing)}, which this CPU lacks")
-    fn = _resolved.get((name, v))
-    if fn is None:
-        try:
-            fn = _resolved[(name, v)] = getattr(lib(), f"{name}_{v}")
-        except AttributeError:
-            raise AttributeError(f"native kernel {name!r} has no variant {v!r}") from None
-    return fn
+    try:
+        return getattr(lib(), f"{name}_{v}")
+    except AttributeError:
+        raise AttributeError(f"native kernel {name!r} has no variant {v!r}") from None
 
 
-_resolved: dict = {}  # (name, variant) -> the library's function: cffi's attribute lookup is not free
 
 
 def check(status: int, what: str, detail: str = "") -> None:

@@ -76,7 +76,7 @@ def amx_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale
     from .. import native
     from .int8 import _is_fake
 
-    if dropout_p or is_causal or enable_gqa or _AMX_REFUSED or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or \
+    if dropout_p or is_causal or enable_gqa or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or \
             k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3] or q.shape[3] != k.shape[3] or \
             q.dtype not in _FLOATS or k.dtype not in _FLOATS or v.dtype not in _FLOATS or q.device.type != "cpu" or \
             k.device.type != "cpu" or v.device.type != "cpu" or k.shape[2] > 16384 or q.shape[3] > 512 or v.shape[3] > 512:
@@ -114,8 +114,8 @@ def amx_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale
                 ffi.NULL if mask is None else ffi.cast("float *", mask.data_ptr()), 0 if mask is None else lens[4],
                 ffi.NULL if mask is None else st + 12, ffi.cast("float *", out.data_ptr()), lens[3], st + 9,
                 torch.get_num_threads())
-    if status == _UNSUPPORTED:
-        _refuse()
+    if status == _UNSUPPORTED:   # the OS refused the tile state: torch's kernel from now on
+        _amx_fns.update(dict.fromkeys(_amx_fns))
         return bf16_flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     native.check(status, "amx_attention_bf16")
     return res
@@ -140,14 +140,6 @@ def _amx_kernel():
 
 _FLOATS = (torch.float32, torch.bfloat16)
 _UNSUPPORTED = -6   # CO_ERR_UNSUPPORTED_AMX: no AMX variant here, or the OS refused the tile state
-_AMX_REFUSED = False
-
-
-def _refuse() -> None:
-    global _AMX_REFUSED
-    _AMX_REFUSED = True
-
-
 def _float_mask(attn_mask, shape):
     """``attn_mask`` as a float32 additive mask of rank 4 whose every dimension is 1 or ``shape``'s
     and whose last is dense and full (None stays None); False where it cannot be."""
@@ -155,7 +147,7 @@ def _float_mask(attn_mask, shape):
         return None
     m = attn_mask
     if m.dtype == torch.bool:
-        m = torch.zeros(m.shape, dtype=torch.float32).masked_fill_(m.logical_not(), float("-inf"))
+        m = additive_mask(m, torch.float32)
     elif m.dtype != torch.float32:
         m = m.float()
     if m.dim() > 4:

@@ -19,46 +19,16 @@ def available() -> bool:
     return native.vectorized()
 
 
-def _float_param(t: torch.Tensor | None, cols: int, name: str) -> torch.Tensor | None:
-    if t is None:
-        return None
-    if t.dtype != torch.float32 or t.device.type != "cpu" or t.numel() != cols:
-        raise ValueError(f"layer_norm_u8: {name} must be {cols} float32 values on the CPU, got {t.dtype} "
-                         f"{tuple(t.shape)} on {t.device}")
-    return t.contiguous()
-
-
 def layer_norm_u8(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None, bias: torch.Tensor | None,
                   eps: float, scale: float, zero_point: int, qmax: int = 255,
                   want_float: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``(layer_norm(x, normalized_shape, weight, bias, eps), its uint8 quantization)``; the first is
-    None when ``want_float`` is False. ``x``: float32 whose rows (the last dimension) are dense."""
+    None when ``want_float`` is False (:class:`LayerNormU8` called once)."""
     shape = tuple(normalized_shape)
     if len(shape) != 1:
         raise ValueError(f"layer_norm_u8 normalizes over the last dimension only, got normalized_shape {shape}")
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.layout != torch.strided or x.dim() < 1 \
-            or x.shape[-1] != shape[0]:
-        raise ValueError(f"layer_norm_u8 takes float32 CPU input whose last dimension is {shape[0]}; got "
-                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
-    if not (scale > 0) or scale == float("inf"):
-        raise ValueError(f"layer_norm_u8: the scale must be finite and positive, got {scale}")
-    if not 0 <= qmax <= 255 or not 0 <= zero_point <= qmax:
-        raise ValueError(f"layer_norm_u8: zero point {zero_point} and qmax {qmax} must satisfy 0 <= zp <= qmax <= 255")
-    cols = shape[0]
-    x2 = x.reshape(-1, cols) if x.dim() != 2 else x
-    if cols > 1 and x2.stride(1) != 1 or x2.stride(0) < cols and x2.shape[0] > 1:
-        x2 = x2.contiguous()
-    rows = x2.shape[0]
-    w, b = _float_param(weight, cols, "weight"), _float_param(bias, cols, "bias")
-    y = torch.empty(x.shape, dtype=torch.float32) if want_float else None
-    q = torch.empty(x.shape, dtype=torch.uint8)
-    null = native.ffi().NULL
-    native.check(native.kernel("layer_norm_u8_f32")(
-        native.ptr(x2, "float *"), rows, cols, max(x2.stride(0), cols) if rows else cols,
-        null if w is None else native.ptr(w, "float *"), null if b is None else native.ptr(b, "float *"),
-        float(eps), null if y is None else native.ptr(y, "float *"), native.ptr(q, "uint8_t *"),
-        1.0 / float(scale), int(zero_point), int(qmax), torch.get_num_threads()), "layer_norm_u8_f32")
-    return y, q
+    out = LayerNormU8(shape[0], eps, scale, zero_point, qmax, want_float)(x, weight, bias)
+    return out if want_float else (None, out)
 
 
 class LayerNormU8:

@@ -24,9 +24,9 @@ def route_attention(gm: torch.fx.GraphModule, dtype: str, int8: bool = False) ->
     if int8 and dtype == "fp32" and routing.auto_dtype() == "bf16":
         ra, rb = routing.route("attention", "int8"), routing.route("attention", "bf16")
         if ra.backend == "amx_bf16" or rb.backend == "torch_flash":
-            from ...backends.attention import amx_attention, bf16_flash_attention
+            from ...backends.attention import _amx_kernel, amx_attention, bf16_flash_attention
 
-            amx = ra.backend == "amx_bf16" and _amx_kernel_here()
+            amx = ra.backend == "amx_bf16" and _amx_kernel() is not None
             done = []
             for n in gm.graph.nodes:
                 if n.op == "call_function" and n.target == aten.scaled_dot_product_attention.default and \
@@ -54,16 +54,6 @@ def route_attention(gm: torch.fx.GraphModule, dtype: str, int8: bool = False) ->
             n_done += 1
     gm.recompile()
     return [f"{n_done} attention op(s) routed to {r.backend.replace('_', ' ')} ({r.why})"] if n_done else []
-
-
-def _amx_kernel_here() -> bool:
-    """Is the native AMX attention kernel built and selectable here (the avx512 variant)?"""
-    from ... import native
-
-    try:
-        return native.select_variant() == "avx512"
-    except Exception:  # noqa: BLE001 - no native build
-        return False
 
 
 def shared_masks(gm: torch.fx.GraphModule) -> list[str]:
