@@ -28,13 +28,21 @@ def matmul_softmax_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=F
     L, S = q.shape[-2], k.shape[-2]
     if is_causal:
         s = s.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), float("-inf"))
+    dead = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             s = s.masked_fill(~attn_mask, float("-inf"))
+            dead = ~attn_mask.any(-1, keepdim=True)
         else:
             s = s + attn_mask.float()
-    p = torch.softmax(s, dim=-1).to(v.dtype)
-    return torch.matmul(p, v)
+            dead = torch.isneginf(attn_mask).all(-1, keepdim=True)
+    p = torch.softmax(s, dim=-1)
+    if dead is not None and dead.any():
+        # a query row that may attend to no key (a left-padded row under a causal mask): torch's SDPA
+        # gives zeros there, a plain softmax NaN. Found from the mask (no heads axis), so the probabilities
+        # are only touched when such a row exists.
+        p = p.masked_fill(dead, 0.0)
+    return torch.matmul(p.to(v.dtype), v)
 
 
 def bf16_matmul_softmax_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -215,7 +215,13 @@ def test_a_shared_boolean_mask_is_made_additive_once(dtype):
     plan = next(iter(opt._plans.values()))
     made = [n for n in plan.program.graph.nodes if n.op == "call_function" and n.target is additive_mask]
     assert len(made) == 1 and len(made[0].users) == 3
-    assert made[0].args[1] == (torch.float32 if dtype == "fp32" else torch.bfloat16)
+    # the dtype the routed kernel adds it in: float32 scores on the fp32 routes and on bf16
+    # matmul -> softmax -> matmul (bf16 without AMX), bf16 for torch's bf16 flash kernel (with AMX)
+    from cpu_opt.backends.attention import bf16_matmul_softmax_attention
+    routed = {u.target for u in made[0].users}
+    assert len(routed) == 1
+    want = torch.bfloat16 if dtype == "bf16" and routed != {bf16_matmul_softmax_attention} else torch.float32
+    assert made[0].args[1] == want
     assert any("boolean attention mask" in line for line in opt.report()["passes"])
     tol = 1e-5 if dtype == "fp32" else 3e-2
     keep2 = keep.clone()
@@ -226,3 +232,29 @@ def test_a_shared_boolean_mask_is_made_additive_once(dtype):
             assert ((opt(x, kp) - ref).abs().max() / ref.abs().max()).item() < tol
     with pytest.raises(TypeError, match="boolean mask"):
         additive_mask(torch.zeros(2, 2), torch.float32)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+def test_matmul_softmax_attention_zeroes_rows_that_attend_to_nothing(mask_kind):
+    """The matmul -> softmax -> matmul route (bf16 without AMX) gives torch's SDPA answers, also for
+    a query row whose every key is masked (left padding under a causal mask: HF GPT-2 and Llama with a
+    padded batch): SDPA returns zeros there, a plain softmax NaN, which made HF GPT-2 in bf16 fail its
+    validation on a Zen 4 and fall back to torch."""
+    from cpu_opt.backends.attention import additive_mask, bf16_matmul_softmax_attention, matmul_softmax_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 16, generator=g) for _ in range(3))
+    keep = torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
+    keep[0, :, :, :3] = False  # row 0's first three queries see no key
+    mask = keep if mask_kind == "bool" else additive_mask(keep, torch.float32)
+    ref = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    out = matmul_softmax_attention(q, k, v, mask)
+    assert torch.isfinite(out).all() and (out[0, :, :3] == 0).all()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out16 = bf16_matmul_softmax_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
+    assert torch.isfinite(out16).all() and (out16[0, :, :3] == 0).all()
+    torch.testing.assert_close(out16.float(), ref, rtol=3e-2, atol=3e-2)
+    # no dead row: the probabilities are not touched, the answer is SDPA's
+    full = torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
+    torch.testing.assert_close(matmul_softmax_attention(q, k, v, full),
+                               nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=full), rtol=1e-5, atol=1e-5)

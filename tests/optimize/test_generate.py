@@ -67,11 +67,14 @@ def test_bf16_generate_runs_the_model_in_bf16_with_a_bf16_cache(name):
     assert out.shape == (1, 26) and torch.equal(out[:, :10], prompt)
     # greedy decoding of random weights diverges at the first near-tie, so the tokens are checked one
     # by one: each is the bf16 eager model's argmax at its position (teacher-forced on cpu_opt's
-    # sequence), up to a near-tie; a lost cache write or a wrong position would miss by logits' units
+    # sequence), up to a near-tie; a lost cache write or a wrong position would miss by logits' units.
+    # bf16 itself moves these logits (weights x4) by 0.2-0.4 of their std from float32 (eager bf16 and
+    # cpu_opt alike, measured on both attention routes), so a near-tie is a gap under 0.1 std, and most
+    # tokens must be the exact argmax
     with torch.no_grad():
         logits = m16(out).logits[0, 9:-1].float()
     gap = logits.max(1).values - logits.gather(1, out[0, 10:, None])[:, 0]
-    assert (gap <= 0.05 * logits.std(1)).all(), (gap.tolist(), out.tolist())
+    assert (gap <= 0.1 * logits.std(1)).all() and (gap == 0).sum() >= 12, (gap.tolist(), out.tolist())
     assert len(set(out[0, 10:].tolist())) > 3
     d = opt._generation
     assert len(d._plans) == 2

@@ -62,22 +62,25 @@ def shared_masks(gm: torch.fx.GraphModule) -> list[str]:
     mask (0 / -inf in the query's dtype) inside every call: BERT-base's 12 layers made 12 of them
     from one padding mask (the flash kernel 1x12x128x64 bf16: 157 us with the boolean mask, 142 with
     the additive one; Xeon with AMX, 2 threads). The numbers are the same: torch computes exactly
-    this tensor itself."""
-    from ...backends.attention import additive_mask, amx_attention, bf16_flash_attention
+    this tensor itself. The matmul -> softmax -> matmul route (bf16 without AMX) reads it too, in
+    float32, its scores' dtype: adding 0 / -inf gives what its ``masked_fill`` of the boolean mask gave."""
+    from ...backends.attention import (additive_mask, amx_attention, bf16_flash_attention,
+                                       bf16_matmul_softmax_attention, matmul_softmax_attention)
 
+    float32_scores = (amx_attention, matmul_softmax_attention, bf16_matmul_softmax_attention)
     groups: dict = {}
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target not in (aten.scaled_dot_product_attention.default, bf16_flash_attention,
-                                                       amx_attention):
+                                                       *float32_scores):
             continue
         in_args = len(n.args) > 3
         mask = n.args[3] if in_args else n.kwargs.get("attn_mask")
         mv, qv = getattr(mask, "meta", {}).get("val"), n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
         if not isinstance(mv, torch.Tensor) or mv.dtype != torch.bool or not isinstance(qv, torch.Tensor):
             continue
-        # the mask in the dtype the kernel adds it in: bf16 for torch's bf16 flash kernel, float32 for the
-        # AMX kernel's (float32) scores, else the query's
-        dt = torch.bfloat16 if n.target is bf16_flash_attention else torch.float32 if n.target is amx_attention \
+        # the mask in the dtype the kernel adds it in: bf16 for torch's bf16 flash kernel, float32 where the
+        # scores are float32 (the AMX kernel, matmul -> softmax -> matmul), else the query's
+        dt = torch.bfloat16 if n.target is bf16_flash_attention else torch.float32 if n.target in float32_scores \
             else qv.dtype
         groups.setdefault((mask, dt), []).append((n, in_args))
     made = 0
