@@ -81,10 +81,23 @@ def amx_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale
     reads. Same answers as :func:`bf16_flash_attention` (bf16 operands, float32 scores, the
     probabilities rounded to bf16 before ``p @ v``), which takes what this kernel does not: dropout,
     a causal flag, grouped heads, other ranks, a CPU or kernel without AMX tiles."""
+    return _fused_attention(_amx_kernel(), q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def dpbf16_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """:func:`amx_attention`'s kernel on AVX512_BF16 dot products (``native/kernels/dpbf16_attention.c``)
+    for CPUs with AVX512_BF16 and no AMX tiles (AMD Zen 4 / Zen 5): the same operands, answers and
+    fallback (:func:`bf16_flash_attention`)."""
+    return _fused_attention(_dpbf16_kernel(), q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _fused_attention(fn, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """One call of a fused attention kernel (``fn``: :func:`_fused_kernel`'s, None where it cannot
+    run here), else :func:`bf16_flash_attention`."""
     from .. import native
     from .int8 import _is_fake
 
-    if dropout_p or is_causal or enable_gqa or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or \
+    if fn is None or dropout_p or is_causal or enable_gqa or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or \
             k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3] or q.shape[3] != k.shape[3] or \
             q.dtype not in _FLOATS or k.dtype not in _FLOATS or v.dtype not in _FLOATS or q.device.type != "cpu" or \
             k.device.type != "cpu" or v.device.type != "cpu" or k.shape[2] > 16384 or q.shape[3] > 512 or v.shape[3] > 512:
@@ -114,36 +127,49 @@ def amx_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale
     st = ffi.new("int64_t[15]", [t.stride(i) if t.shape[i] > 1 else 0 for t in tensors for i in range(3)])
     lens = [t.untyped_storage().nbytes() // t.element_size() - t.storage_offset() for t in tensors]
     qb, kb, vb = ops
-    fn = _amx_kernel()
-    if fn is None:   # no AMX tiles here (or not under the ISA cap in force)
-        return bf16_flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     status = fn(ffi.cast("uint16_t *", qb.data_ptr()), lens[0], st, ffi.cast("uint16_t *", kb.data_ptr()), lens[1], st + 3,
                 ffi.cast("uint16_t *", vb.data_ptr()), lens[2], st + 6, B, H, Sq, Sk, D, Dv, scale,
                 ffi.NULL if mask is None else ffi.cast("float *", mask.data_ptr()), 0 if mask is None else lens[4],
                 ffi.NULL if mask is None else st + 12, ffi.cast("float *", out.data_ptr()), lens[3], st + 9,
                 torch.get_num_threads())
     if status == _UNSUPPORTED:   # the OS refused the tile state: torch's kernel from now on
-        _amx_fns.update(dict.fromkeys(_amx_fns))
+        for key, kfn in _fused_fns.items():
+            if kfn is fn:
+                _fused_fns[key] = None
         return bf16_flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    native.check(status, "amx_attention_bf16")
+    native.check(status, getattr(fn, "__name__", "fused attention"))
     return res
 
 
-_amx_fns: dict = {}
+# the ISA features each fused attention kernel needs (both run in the avx512 variant only: every CPU
+# with AMX or AVX512_BF16 has AVX-512)
+_KERNEL_NEEDS = {"amx_attention_bf16": frozenset({"amx_bf16", "amx_tile"}),
+                 "dpbf16_attention": frozenset({"avx512_bf16"})}
+_fused_fns: dict = {}
 
 
-def _amx_kernel():
-    """The kernel where this CPU, under the ISA cap in force, has AMX-BF16 tiles (only the avx512
-    variant runs it: every CPU with AMX has AVX-512), else None; resolved once per cap."""
+def _fused_kernel(name: str):
+    """The native kernel ``name`` where this CPU, under the ISA cap in force, has what it needs
+    (:data:`_KERNEL_NEEDS`), else None; resolved once per kernel and cap."""
     from .. import native
     from ..platform import hw
 
-    key = tuple(os.environ.get(k) for k in native._CAP_VARS)
-    if key not in _amx_fns:
+    key = (name, *(os.environ.get(k) for k in native._CAP_VARS))
+    if key not in _fused_fns:
         info = hw.detect()
-        ok = info.has("amx_bf16") and info.has("amx_tile") and native.select_variant(info) == "avx512"
-        _amx_fns[key] = native.kernel("amx_attention_bf16") if ok else None
-    return _amx_fns[key]
+        ok = _KERNEL_NEEDS[name] <= info.isa and native.select_variant(info) == "avx512"
+        _fused_fns[key] = native.kernel(name) if ok else None
+    return _fused_fns[key]
+
+
+def _amx_kernel():
+    """The AMX kernel where this CPU has AMX-BF16 tiles, else None."""
+    return _fused_kernel("amx_attention_bf16")
+
+
+def _dpbf16_kernel():
+    """The AVX512_BF16 kernel where this CPU has AVX512_BF16, else None."""
+    return _fused_kernel("dpbf16_attention")
 
 
 _FLOATS = (torch.float32, torch.bfloat16)

@@ -291,17 +291,15 @@ static int64_t KFN(co_extent4)(int64_t n0, int64_t n1, int64_t n2, int64_t n3, c
     return (n0 - 1) * s[0] + (n1 - 1) * s[1] + (n2 - 1) * s[2] + n3;
 }
 
-int64_t KFN(amx_attention_bf16)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k, int64_t k_len,
-                                const int64_t *ks, const uint16_t *v, int64_t v_len, const int64_t *vs, int64_t B,
-                                int64_t H, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale,
-                                const float *mask, int64_t mask_len, const int64_t *ms, float *out, int64_t out_len,
-                                const int64_t *os, int nthreads) {
-#if !defined(CO_VARIANT_AVX512)
-    (void)q; (void)q_len; (void)qs; (void)k; (void)k_len; (void)ks; (void)v; (void)v_len; (void)vs; (void)B;
-    (void)H; (void)nq; (void)nk; (void)d; (void)dv; (void)scale; (void)mask; (void)mask_len; (void)ms;
-    (void)out; (void)out_len; (void)os; (void)nthreads;
-    return CO_ERR_UNSUPPORTED_AMX;
-#else
+#if defined(CO_VARIANT_AVX512)
+/* the arguments of a fused attention kernel (this one, dpbf16_attention.c's): 1 when there is work
+ * and every operand's farthest element lies within its length, else the status to return (CO_OK for
+ * an empty problem) */
+static int64_t KFN(co_attention_check)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k,
+                                       int64_t k_len, const int64_t *ks, const uint16_t *v, int64_t v_len,
+                                       const int64_t *vs, int64_t B, int64_t H, int64_t nq, int64_t nk, int64_t d,
+                                       int64_t dv, float scale, const float *mask, int64_t mask_len, const int64_t *ms,
+                                       const float *out, int64_t out_len, const int64_t *os, int nthreads) {
     if (B < 0 || H < 0 || nq < 0 || nk < 0 || d < 0 || dv < 0 || nthreads < 1 || !(scale == scale) ||
         nk > CO_AMX_KEYS_MAX || d > CO_AMX_DIM_MAX || dv > CO_AMX_DIM_MAX || qs == NULL || ks == NULL ||
         vs == NULL || os == NULL)
@@ -317,6 +315,25 @@ int64_t KFN(amx_attention_bf16)(const uint16_t *q, int64_t q_len, const int64_t 
         return CO_ERR_BAD_ARGUMENT;
     if (eq > q_len || ek > k_len || ev > v_len || eo > out_len || (mask && em > mask_len))
         return CO_ERR_INDEX_OUT_OF_RANGE;
+    return 1;
+}
+#endif
+
+int64_t KFN(amx_attention_bf16)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k, int64_t k_len,
+                                const int64_t *ks, const uint16_t *v, int64_t v_len, const int64_t *vs, int64_t B,
+                                int64_t H, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale,
+                                const float *mask, int64_t mask_len, const int64_t *ms, float *out, int64_t out_len,
+                                const int64_t *os, int nthreads) {
+#if !defined(CO_VARIANT_AVX512)
+    (void)q; (void)q_len; (void)qs; (void)k; (void)k_len; (void)ks; (void)v; (void)v_len; (void)vs; (void)B;
+    (void)H; (void)nq; (void)nk; (void)d; (void)dv; (void)scale; (void)mask; (void)mask_len; (void)ms;
+    (void)out; (void)out_len; (void)os; (void)nthreads;
+    return CO_ERR_UNSUPPORTED_AMX;
+#else
+    int64_t status = KFN(co_attention_check)(q, q_len, qs, k, k_len, ks, v, v_len, vs, B, H, nq, nk, d, dv, scale,
+                                             mask, mask_len, ms, out, out_len, os, nthreads);
+    if (status != 1)
+        return status;
     if (!co_amx_permission())
         return CO_ERR_UNSUPPORTED_AMX;
     const int64_t nk_p = KFN(co_round_up)(nk, 64), d_p = KFN(co_round_up)(d, 32), dv_p = KFN(co_round_up)(dv, 64);

@@ -1,8 +1,9 @@
-"""The two native kernels around an int8 transformer's GEMMs: the fused AMX attention
-(``native/kernels/amx_attention.c``, :func:`cpu_opt.backends.attention.amx_attention`) and the
-LayerNorm that writes its int8 consumers' uint8 input (``native/kernels/layer_norm.c``,
+"""The native kernels around an int8 transformer's GEMMs: the fused attention, on AMX tiles
+(``native/kernels/amx_attention.c``, :func:`cpu_opt.backends.attention.amx_attention`) or on
+AVX512_BF16 dot products (``native/kernels/dpbf16_attention.c``,
+:func:`cpu_opt.backends.attention.dpbf16_attention`), and the LayerNorm that writes its int8 consumers' uint8 input (``native/kernels/layer_norm.c``,
 :class:`cpu_opt.backends.native_norm.LayerNormU8`): numbers against float references, what happens
-where the CPU lacks AMX (torch's kernel runs, and the test says which ran), bad input, and their
+where the CPU lacks the kernel's instructions (torch's kernel runs, and the test says which ran), bad input, and their
 place in an int8 Hugging Face BERT."""
 import math
 
@@ -24,8 +25,21 @@ pytestmark = [pytest.mark.isa, pytest.mark.filterwarnings("ignore:.*quantized te
 
 
 def _amx_here() -> bool:
+    return _runs_here("amx")
+
+
+# the two fused attention kernels: (Python entry point, C kernel, the ISA features it needs)
+KERNELS = {"amx": ("amx_attention", "amx_attention_bf16", ("amx_bf16", "amx_tile")),
+           "dpbf16": ("dpbf16_attention", "dpbf16_attention", ("avx512_bf16",))}
+
+
+def _runs_here(kernel: str) -> bool:
     info = hw.detect()
-    return info.has("amx_bf16") and info.has("amx_tile") and native.select_variant(info) == "avx512"
+    return all(info.has(f) for f in KERNELS[kernel][2]) and native.select_variant(info) == "avx512"
+
+
+def _attention(kernel: str):
+    return getattr(battn, KERNELS[kernel][0])
 
 
 def _reference(q, k, v, mask, scale):
@@ -70,7 +84,8 @@ MASKS = ("none", "padding", "full", "bool")
 @pytest.mark.parametrize("B,H,Sq,Sk,D,Dv", [(1, 12, 128, 128, 64, 64), (2, 3, 37, 37, 64, 64), (1, 2, 5, 70, 40, 24),
                                             (3, 4, 16, 16, 128, 128), (1, 1, 1, 1, 64, 64), (2, 2, 33, 129, 96, 80)])
 @pytest.mark.parametrize("mask_kind", MASKS)
-def test_amx_attention_matches_the_reference(B, H, Sq, Sk, D, Dv, mask_kind, flash_calls):
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_fused_attention_matches_the_reference(kernel, B, H, Sq, Sk, D, Dv, mask_kind, flash_calls):
     q, k, v = _qkv(B, H, Sq, Sk, D, Dv, seed=B * 100 + Sq + Sk)
     g = gen(7)
     mask = {"none": None,
@@ -80,45 +95,49 @@ def test_amx_attention_matches_the_reference(B, H, Sq, Sk, D, Dv, mask_kind, fla
     if mask_kind == "bool":
         mask[..., 0] = True   # no row entirely masked (torch's kernel gives NaN there)
     scale = 1.0 / math.sqrt(D)
-    out = battn.amx_attention(q, k, v, mask, scale=scale)
+    out = _attention(kernel)(q, k, v, mask, scale=scale)
     ref = _reference(q, k, v, mask, scale)
     assert out.dtype == torch.float32 and out.shape == (B, H, Sq, Dv)
     err = (out.double() - ref).abs().max().item()
-    if _amx_here():
-        assert not flash_calls, "the AMX kernel should have run"
+    if _runs_here(kernel):
+        assert not flash_calls, f"the {kernel} kernel should have run"
         # written in the (batch, seq, heads, dim) layout the output projection reads as (batch, seq, heads * dim)
         assert out.transpose(1, 2).is_contiguous()
         assert err < 2e-3, err        # bf16 rounding of the exponentials, whose ties may differ
     else:
-        assert flash_calls, "without AMX the attention is torch's bf16 flash kernel"
+        assert flash_calls, f"without the {kernel} kernel's instructions the attention is torch's bf16 flash kernel"
         assert err < 5e-2, err
 
 
-def test_amx_attention_fully_masked_rows_are_zero_and_other_calls_go_to_torch(flash_calls):
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_fused_attention_fully_masked_rows_are_zero_and_other_calls_go_to_torch(kernel, flash_calls):
+    attention = _attention(kernel)
     q, k, v = _qkv(1, 2, 8, 8, 64, 64, seed=3)
     mask = torch.zeros(1, 1, 8, 8)
     mask[:, :, 2] = float("-inf")
-    out = battn.amx_attention(q, k, v, mask)
-    if _amx_here():
+    out = attention(q, k, v, mask)
+    if _runs_here(kernel):
         assert not flash_calls
         assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
         assert torch.isfinite(out).all()
     n = len(flash_calls)
     # what the kernel does not take runs torch's flash kernel, with the same answers
     for kw in ({"is_causal": True}, {"dropout_p": 0.0, "enable_gqa": True}):
-        battn.amx_attention(q, k, v, None, **kw)
+        attention(q, k, v, None, **kw)
     assert len(flash_calls) == n + 2
-    battn.amx_attention(q[0], k[0], v[0])   # rank 3
+    attention(q[0], k[0], v[0])   # rank 3
     assert len(flash_calls) == n + 3
 
 
-@pytest.mark.skipif(not _amx_here(), reason="the kernel's bounds checks run in its AMX variant only; "
-                    "elsewhere it returns CO_ERR_UNSUPPORTED_AMX before reading anything (asserted below)")
-def test_amx_attention_kernel_checks_every_operand_bound():
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_fused_attention_kernel_checks_every_operand_bound(kernel):
+    if not _runs_here(kernel):
+        pytest.skip(f"the {kernel} kernel's bounds checks run where its instructions do; elsewhere it returns "
+                    "CO_ERR_UNSUPPORTED_AMX before reading anything (asserted below)")
     q, k, v = (torch.randn(1, 2, 16, 64).bfloat16() for _ in range(3))
     out = torch.empty(1, 2, 16, 64)
     f = native.ffi()
-    fn = native.kernel("amx_attention_bf16")
+    fn = native.kernel(KERNELS[kernel][1])
     st = f.new("int64_t[15]", [2048, 1024, 64] * 4 + [0, 0, 16])
     mask = torch.zeros(1, 1, 16, 16)
     u16, f32 = (lambda t: f.cast("uint16_t *", t.data_ptr())), (lambda t: f.cast("float *", t.data_ptr()))
@@ -132,10 +151,10 @@ def test_amx_attention_kernel_checks_every_operand_bound():
         assert call(**bad) == -1, bad    # CO_ERR_INDEX_OUT_OF_RANGE, nothing read or written
     assert call(nk=16385) == -2          # more keys than the kernel takes
     with pytest.raises(NativeKernelError, match="CO_ERR_INDEX_OUT_OF_RANGE"):
-        native.check(call(q_len=10), "amx_attention_bf16")
+        native.check(call(q_len=10), KERNELS[kernel][1])
 
 
-def test_amx_attention_kernel_refuses_without_its_variant():
+def test_fused_attention_kernels_refuse_without_their_variant():
     """Outside the avx512 variant the kernel does nothing and says so; the Python side then runs
     torch's kernel (asserted in the tests above on a CPU without AMX)."""
     f = native.ffi()
@@ -143,8 +162,9 @@ def test_amx_attention_kernel_refuses_without_its_variant():
         if variant == "avx512":
             continue
         st = f.new("int64_t[3]", [0, 0, 0])
-        assert native.kernel("amx_attention_bf16", variant)(f.NULL, 0, st, f.NULL, 0, st, f.NULL, 0, st, 1, 1, 1, 1,
-                                                             64, 64, 1.0, f.NULL, 0, f.NULL, f.NULL, 0, st, 1) == -6
+        for _, name, _ in KERNELS.values():
+            assert native.kernel(name, variant)(f.NULL, 0, st, f.NULL, 0, st, f.NULL, 0, st, 1, 1, 1, 1,
+                                                64, 64, 1.0, f.NULL, 0, f.NULL, f.NULL, 0, st, 1) == -6
 
 
 # ------------------------------------------------------------------------------- LayerNorm -> uint8
@@ -209,8 +229,8 @@ def test_layer_norm_u8_rejects_bad_input():
 # ----------------------------------------------------------------------- in an int8 Hugging Face BERT
 def test_int8_bert_norms_and_attention(monkeypatch):
     """An int8 HF BERT: every LayerNorm in front of int8 layers writes their uint8 input (one native
-    pass) where the vectorized kernel runs, the attention runs the AMX kernel where the CPU has AMX
-    (counted), and the answers stay within the int8 accuracy of fp32."""
+    pass) where the vectorized kernel runs, the attention runs cpu_opt's fused kernel where the CPU has
+    AMX or AVX512_BF16 (counted), and the answers stay within the int8 accuracy of fp32."""
     T = pytest.importorskip("transformers")
     from cpu_opt.backends.native_norm import LayerNormU8
     from cpu_opt.quant import kernels as K
@@ -229,23 +249,24 @@ def test_int8_bert_norms_and_attention(monkeypatch):
     x = text(5)
     calib = [text(100 + i) for i in range(8)]
     ran = []
-    real = battn._amx_kernel
 
-    def counting():
-        fn = real()
-        if fn is None:
-            return None
+    def counting(kernel, real):
+        def getter():
+            fn = real()
+            if fn is None:
+                return None
 
-        def wrapped(*a):
-            ran.append(a[9:11])   # B, H
-            return fn(*a)
-        return wrapped
+            def wrapped(*a):
+                ran.append((kernel, *a[9:11]))   # which kernel, B, H
+                return fn(*a)
+            return wrapped
+        return getter
 
-    monkeypatch.setattr(battn, "_amx_kernel", counting)
+    monkeypatch.setattr(battn, "_amx_kernel", counting("amx", battn._amx_kernel))
+    monkeypatch.setattr(battn, "_dpbf16_kernel", counting("dpbf16", battn._dpbf16_kernel))
     opt = cpu_opt.optimize(m, x, dtype="int8", calibration_data=calib)
     nodes = [n for n in opt._base_plan.program.graph.nodes if n.op == "call_function"]
     norms = [n for n in nodes if isinstance(n.target, LayerNormU8)]
-    attention = [n for n in nodes if n.target is battn.amx_attention]
     ran.clear()   # (optimize ran the plan too: its first call, validation)
     with torch.no_grad():
         y, ref = opt(**x).last_hidden_state, m(**x).last_hidden_state
@@ -267,8 +288,12 @@ def test_int8_bert_norms_and_attention(monkeypatch):
         assert not norms
     from cpu_opt.platform import routing
 
-    if _amx_here() and routing.auto_dtype() == "bf16":
-        assert len(attention) == 2 and ran == [(2, 4)] * 4, ran   # 2 layers, 2 calls
-        assert any("fused AMX kernel" in line for line in opt.report()["passes"])
+    # the AMX kernel where the CPU has tiles, else the AVX512_BF16 one where it has those dot products
+    kernel = "amx" if _amx_here() else "dpbf16" if _runs_here("dpbf16") else None
+    if kernel and routing.auto_dtype() == "bf16":
+        attention = [n for n in nodes if n.target is _attention(kernel)]
+        assert len(attention) == 2 and ran == [(kernel, 2, 4)] * 4, ran   # 2 layers, 2 calls
+        label = {"amx": "fused AMX kernel", "dpbf16": "fused AVX512_BF16 kernel"}[kernel]
+        assert any(label in line for line in opt.report()["passes"]), opt.report()["passes"]
     else:
         assert not ran

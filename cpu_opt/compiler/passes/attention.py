@@ -15,27 +15,31 @@ def route_attention(gm: torch.fx.GraphModule, dtype: str, int8: bool = False) ->
     or matmul -> softmax -> matmul in the graph's dtype (:mod:`cpu_opt.backends.attention`).
 
     ``int8``: the float32 attention of an int8 graph (its matmuls are not quantized) runs cpu_opt's fused
-    AMX kernel where the ``attention``/``int8`` route says so (CPUs with AMX tiles:
-    :func:`cpu_opt.backends.attention.amx_attention`), else torch's flash
+    bf16 kernel where the ``attention``/``int8`` route says so (:func:`cpu_opt.backends.attention.amx_attention`
+    on CPUs with AMX tiles, :func:`~cpu_opt.backends.attention.dpbf16_attention` on CPUs with AVX512_BF16
+    and no AMX), else torch's flash
     kernel in bf16 where the CPU has native bf16 math and the bf16 route is that kernel: BERT-base's
     (1x12x128x64, padding mask, inputs strided views of the projections) 239 us with the casts against
     282 in fp32 alone, 375 against 410 inside the int8 model, relative error 3.7e-3 (Xeon with AMX,
     2 threads); the int8 layers around it are 1e-2 off already."""
     if int8 and dtype == "fp32" and routing.auto_dtype() == "bf16":
-        ra, rb = routing.route("attention", "int8"), routing.route("attention", "bf16")
-        if ra.backend == "amx_bf16" or rb.backend == "torch_flash":
-            from ...backends.attention import _amx_kernel, amx_attention, bf16_flash_attention
+        from ...backends import attention as battn
 
-            amx = ra.backend == "amx_bf16" and _amx_kernel() is not None
+        ra, rb = routing.route("attention", "int8"), routing.route("attention", "bf16")
+        fused = {"amx_bf16": (battn._amx_kernel, battn.amx_attention, "cpu_opt's fused AMX kernel"),
+                 "dpbf16": (battn._dpbf16_kernel, battn.dpbf16_attention, "cpu_opt's fused AVX512_BF16 kernel")
+                 }.get(ra.backend)
+        if fused is not None or rb.backend == "torch_flash":
+            use = fused is not None and fused[0]() is not None
             done = []
             for n in gm.graph.nodes:
                 if n.op == "call_function" and n.target == aten.scaled_dot_product_attention.default and \
                         not n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0):
-                    n.target = amx_attention if amx else bf16_flash_attention
+                    n.target = fused[1] if use else battn.bf16_flash_attention
                     done.append(n)
             n_bf16 = bf16_projections(gm, done)
             gm.recompile()
-            where = f"cpu_opt's fused AMX kernel ({ra.why})" if amx else \
+            where = f"{fused[2]} ({ra.why})" if use else \
                 f"torch's flash kernel in bf16 (native bf16 math here; {rb.why})"
             return [f"{len(done)} attention op(s) of the int8 graph on {where}"
                     + (f"; {n_bf16} int8 projection(s) feeding them write bf16" if n_bf16 else "")] if done else []
@@ -65,9 +69,9 @@ def shared_masks(gm: torch.fx.GraphModule) -> list[str]:
     this tensor itself. The matmul -> softmax -> matmul route (bf16 without AMX) reads it too, in
     float32, its scores' dtype: adding 0 / -inf gives what its ``masked_fill`` of the boolean mask gave."""
     from ...backends.attention import (additive_mask, amx_attention, bf16_flash_attention,
-                                       bf16_matmul_softmax_attention, matmul_softmax_attention)
+                                       bf16_matmul_softmax_attention, dpbf16_attention, matmul_softmax_attention)
 
-    float32_scores = (amx_attention, matmul_softmax_attention, bf16_matmul_softmax_attention)
+    float32_scores = (amx_attention, dpbf16_attention, matmul_softmax_attention, bf16_matmul_softmax_attention)
     groups: dict = {}
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target not in (aten.scaled_dot_product_attention.default, bf16_flash_attention,
@@ -79,7 +83,7 @@ def shared_masks(gm: torch.fx.GraphModule) -> list[str]:
         if not isinstance(mv, torch.Tensor) or mv.dtype != torch.bool or not isinstance(qv, torch.Tensor):
             continue
         # the mask in the dtype the kernel adds it in: bf16 for torch's bf16 flash kernel, float32 where the
-        # scores are float32 (the AMX kernel, matmul -> softmax -> matmul), else the query's
+        # scores are float32 (the fused kernels, matmul -> softmax -> matmul), else the query's
         dt = torch.bfloat16 if n.target is bf16_flash_attention else torch.float32 if n.target in float32_scores \
             else qv.dtype
         groups.setdefault((mask, dt), []).append((n, in_args))

@@ -1,0 +1,144 @@
+/* Fused bf16 attention on AVX512_BF16 dot products (cpu_opt.backends.attention.dpbf16_attention),
+ * for CPUs with AVX512_BF16 and no AMX tiles (AMD Zen 4 and Zen 5, Intel Cooper Lake): the AMX
+ * kernel's algorithm and operands (amx_attention.c, whose packing, softmax and bounds checks it
+ * shares), with its two products on VDPBF16PS instead of tiles:
+ *
+ *   out[b, h, i, :] = sum_j p[i, j] v[b, h, j, :],  p = softmax_j(scale * <q[b, h, i], k[b, h, j]> + mask[b, h, i, j])
+ *
+ * q, k, v bf16 read where they lie (last dimension dense, any other strides), out float32 written
+ * with its own strides, mask float32 (NULL: none; strides 0 where it broadcasts). Per (b, h) task:
+ * k and v packed once into the pair-interleaved layout (key pairs for v, dimension pairs for k);
+ * then per block of 12 queries the scores (12 x 32 keys per register block, float32), the softmax
+ * of each row (bf16 probabilities, rounded to nearest even, normalised afterwards on the output
+ * row as a flash kernel does; an all -inf row gives zeros) and p @ v (12 x 32 output dimensions per
+ * register block). Returns CO_ERR_UNSUPPORTED_AMX (the "no such instructions here" status) outside
+ * the avx512 variant or on a CPU without AVX512_BF16. */
+
+#if defined(CO_VARIANT_AVX512)
+#define CO_DP_MR 12   /* query rows per register block: 12 x 2 accumulators of 16 floats */
+
+/* c[r][0..31] = rs[r] * sum_t <a[r][2t], a[r][2t + 1]> . bp[t][0..31] for r < CO_DP_MR: a's rows
+ * at stride lda (bf16 elements), bp's pairs (uint32: two bf16) at row stride ldb, c's rows at
+ * stride ldc (floats) */
+__attribute__((target("avx512bf16")))
+static inline void KFN(co_dp_block)(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_t ldb, int64_t pairs,
+                                    float *c, int64_t ldc, const float *rs) {
+    __m512 acc[CO_DP_MR][2];
+#pragma GCC unroll 12
+    for (int r = 0; r < CO_DP_MR; r++)
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < pairs; t++) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)(bp + t * ldb));
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void *)(bp + t * ldb + 16));
+#pragma GCC unroll 12
+        for (int r = 0; r < CO_DP_MR; r++) {
+            uint32_t w;
+            memcpy(&w, a + r * lda + 2 * t, 4);
+            const __m512bh av = (__m512bh)_mm512_set1_epi32((int)w);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, b1);
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < CO_DP_MR; r++) {
+        const __m512 s = _mm512_set1_ps(rs ? rs[r] : 1.f);
+        _mm512_storeu_ps(c + r * ldc, _mm512_mul_ps(acc[r][0], s));
+        _mm512_storeu_ps(c + r * ldc + 16, _mm512_mul_ps(acc[r][1], s));
+    }
+}
+
+__attribute__((target("avx512bf16")))
+static void KFN(co_dp_head)(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t qs, int64_t ks,
+                            int64_t vs, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale,
+                            const float *mask, int64_t ms, float *out, int64_t os,
+                            uint32_t *kp, uint16_t *vp, uint16_t *qb, float *sb, uint16_t *pb, float *ob) {
+    const int64_t nk_p = KFN(co_round_up)(nk, 32), d_p = KFN(co_round_up)(d, 2), dv_p = KFN(co_round_up)(dv, 32);
+    KFN(co_pack_k)(k, ks, nk, d, nk_p, d_p, kp);
+    KFN(co_pack_v)(v, vs, nk, dv, nk_p, dv_p, vp);
+    for (int64_t i0 = 0; i0 < nq; i0 += CO_DP_MR) {
+        const int64_t rows = nq - i0 < CO_DP_MR ? nq - i0 : CO_DP_MR;
+        /* the block's queries: read where they lie when whole, else copied zero padded (a padded
+         * query row scores 0 against every key: a finite softmax, never written out) */
+        const uint16_t *qa = q + i0 * qs;
+        int64_t lda = qs;
+        if (rows < CO_DP_MR || d != d_p) {
+            memset(qb, 0, (size_t)CO_DP_MR * d_p * sizeof(uint16_t));
+            for (int64_t r = 0; r < rows; r++)
+                memcpy(qb + r * d_p, q + (i0 + r) * qs, (size_t)d * sizeof(uint16_t));
+            qa = qb;
+            lda = d_p;
+        }
+        for (int64_t n0 = 0; n0 < nk_p; n0 += 32)
+            KFN(co_dp_block)(qa, lda, kp + n0, nk_p, d_p / 2, sb + n0, nk_p, NULL);
+        float inv[CO_DP_MR];
+        for (int64_t r = 0; r < CO_DP_MR; r++)
+            inv[r] = KFN(co_amx_softmax_row)(sb + r * nk_p, nk, nk_p, scale,
+                                             (mask && r < rows) ? mask + (i0 + r) * ms : NULL, pb + r * nk_p);
+        for (int64_t c0 = 0; c0 < dv_p; c0 += 32) {
+            if (rows == CO_DP_MR && c0 + 32 <= dv) {   /* straight into the output */
+                KFN(co_dp_block)(pb, nk_p, (const uint32_t *)vp + c0, dv_p, nk_p / 2, out + i0 * os + c0, os, inv);
+            } else {
+                KFN(co_dp_block)(pb, nk_p, (const uint32_t *)vp + c0, dv_p, nk_p / 2, ob, 32, inv);
+                const int64_t w = dv - c0 < 32 ? dv - c0 : 32;
+                for (int64_t r = 0; r < rows && w > 0; r++)
+                    memcpy(out + (i0 + r) * os + c0, ob + r * 32, (size_t)w * sizeof(float));
+            }
+        }
+    }
+}
+#endif
+
+int64_t KFN(dpbf16_attention)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k, int64_t k_len,
+                              const int64_t *ks, const uint16_t *v, int64_t v_len, const int64_t *vs, int64_t B,
+                              int64_t H, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale,
+                              const float *mask, int64_t mask_len, const int64_t *ms, float *out, int64_t out_len,
+                              const int64_t *os, int nthreads) {
+#if !defined(CO_VARIANT_AVX512)
+    (void)q; (void)q_len; (void)qs; (void)k; (void)k_len; (void)ks; (void)v; (void)v_len; (void)vs; (void)B;
+    (void)H; (void)nq; (void)nk; (void)d; (void)dv; (void)scale; (void)mask; (void)mask_len; (void)ms;
+    (void)out; (void)out_len; (void)os; (void)nthreads;
+    return CO_ERR_UNSUPPORTED_AMX;
+#else
+    int64_t status = KFN(co_attention_check)(q, q_len, qs, k, k_len, ks, v, v_len, vs, B, H, nq, nk, d, dv, scale,
+                                             mask, mask_len, ms, out, out_len, os, nthreads);
+    if (status != 1)
+        return status;
+    if (!__builtin_cpu_supports("avx512bf16"))
+        return CO_ERR_UNSUPPORTED_AMX;
+    const int64_t nk_p = KFN(co_round_up)(nk, 32), d_p = KFN(co_round_up)(d, 2), dv_p = KFN(co_round_up)(dv, 32);
+    /* per thread: kp, vp, qb, sb, pb, ob, each 64-byte aligned */
+    const size_t sizes[6] = {(size_t)(d_p / 2) * nk_p * 4, (size_t)nk_p * dv_p * 2, (size_t)CO_DP_MR * d_p * 2,
+                             (size_t)CO_DP_MR * nk_p * 4, (size_t)CO_DP_MR * nk_p * 2, (size_t)CO_DP_MR * 32 * 4};
+    size_t offs[7] = {0};
+    for (int i = 0; i < 6; i++)
+        offs[i + 1] = offs[i] + (sizes[i] + 63) / 64 * 64;
+    const int64_t tasks = B * H;
+    int nt = tasks < nthreads ? (int)tasks : nthreads;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) reduction(| : failed)
+    {
+        int tid = 0, T = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        T = omp_get_num_threads();
+#endif
+        int64_t lo = tasks * tid / T, hi = tasks * (tid + 1) / T;
+        char *buf = lo < hi ? (char *)aligned_alloc(64, offs[6]) : NULL;
+        if (lo < hi && buf == NULL) {
+            failed = 1;
+        } else if (lo < hi) {
+            for (int64_t t = lo; t < hi; t++) {
+                int64_t b = t / H, h = t % H;
+                const float *mb = mask ? mask + b * ms[0] + h * ms[1] : NULL;
+                KFN(co_dp_head)(q + b * qs[0] + h * qs[1], k + b * ks[0] + h * ks[1], v + b * vs[0] + h * vs[1],
+                                qs[2], ks[2], vs[2], nq, nk, d, dv, scale, mb, mask ? ms[2] : 0,
+                                out + b * os[0] + h * os[1], os[2], (uint32_t *)(buf + offs[0]),
+                                (uint16_t *)(buf + offs[1]), (uint16_t *)(buf + offs[2]), (float *)(buf + offs[3]),
+                                (uint16_t *)(buf + offs[4]), (float *)(buf + offs[5]));
+            }
+            free(buf);
+        }
+    }
+    return failed ? CO_ERR_NO_MEMORY : CO_OK;
+#endif
+}
