@@ -175,9 +175,10 @@ int64_t KFN(amx_attention_bf16)(const uint16_t *q, int64_t q_len, const int64_t 
 
 /* ---- the same attention on AVX512_BF16 dot products (native/kernels/dpbf16_attention.c) ----
  * dpbf16_attention: amx_attention_bf16's operands, limits and statuses, computed with VDPBF16PS for
- * CPUs with AVX512_BF16 and no AMX; CO_ERR_UNSUPPORTED_AMX (-6) outside the avx512 variant or on a
- * CPU without AVX512_BF16. */
-int64_t KFN(dpbf16_attention)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k, int64_t k_len, const int64_t *ks, const uint16_t *v, int64_t v_len, const int64_t *vs, int64_t B, int64_t H, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale, const float *mask, int64_t mask_len, const int64_t *ms, float *out, int64_t out_len, const int64_t *os, int nthreads);
+ * CPUs with AVX512_BF16 and no AMX; also k / v with Hk heads (Hk divides H: query head h reads kv head
+ * h / (H / Hk)) and causal != 0 (query i sees keys j <= i). CO_ERR_UNSUPPORTED_AMX (-6) outside the
+ * avx512 variant or on a CPU without AVX512_BF16. */
+int64_t KFN(dpbf16_attention)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k, int64_t k_len, const int64_t *ks, const uint16_t *v, int64_t v_len, const int64_t *vs, int64_t B, int64_t H, int64_t Hk, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale, int causal, const float *mask, int64_t mask_len, const int64_t *ms, float *out, int64_t out_len, const int64_t *os, int nthreads);
 
 /* ---- decode-step GEMV (native/kernels/gemv.c) ----
  * gemv_f32: y (M x N) = x (M x K) W^T + bias, 1 <= M <= 8, W K x N row-major when w_kn = 1, N x K

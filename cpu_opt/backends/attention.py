@@ -87,28 +87,43 @@ def amx_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale
 def dpbf16_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """:func:`amx_attention`'s kernel on AVX512_BF16 dot products (``native/kernels/dpbf16_attention.c``)
     for CPUs with AVX512_BF16 and no AMX tiles (AMD Zen 4 / Zen 5): the same operands, answers and
-    fallback (:func:`bf16_flash_attention`)."""
-    return _fused_attention(_dpbf16_kernel(), q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    fallback (:func:`bf16_flash_attention`); it also takes a causal flag and grouped query heads."""
+    return _fused_attention(_dpbf16_kernel(), q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                            extended=True)
 
 
-def _fused_attention(fn, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def dpbf16_attention_bf16(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The attention of a bf16 graph on a CPU with AVX512_BF16 and no AMX: :func:`dpbf16_attention`'s
+    kernel, its float32 output rounded to bf16 (the dtype the graph expects); what the kernel does
+    not take runs :func:`bf16_matmul_softmax_attention`, this CPU's next best."""
+    out = _fused_attention(_dpbf16_kernel(), q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                           extended=True, fallback=bf16_matmul_softmax_attention)
+    return out.to(q.dtype)
+
+
+def _fused_attention(fn, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, extended=False,
+                     fallback=None):
     """One call of a fused attention kernel (``fn``: :func:`_fused_kernel`'s, None where it cannot
-    run here), else :func:`bf16_flash_attention`."""
+    run here; ``extended``: it takes a causal flag and grouped query heads), else ``fallback``
+    (:func:`bf16_flash_attention` by default)."""
     from .. import native
     from .int8 import _is_fake
 
-    if fn is None or dropout_p or is_causal or enable_gqa or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or \
-            k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3] or q.shape[3] != k.shape[3] or \
+    fallback = fallback or bf16_flash_attention
+    groups = q.dim() == 4 and k.dim() == 4 and k.shape[1] >= 1 and q.shape[1] % k.shape[1] == 0 and \
+        (k.shape[1] == q.shape[1] or (enable_gqa and extended))
+    if fn is None or dropout_p or (is_causal and not (extended and attn_mask is None)) or not groups or \
+            v.dim() != 4 or k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or q.shape[3] != k.shape[3] or \
             q.dtype not in _FLOATS or k.dtype not in _FLOATS or v.dtype not in _FLOATS or q.device.type != "cpu" or \
             k.device.type != "cpu" or v.device.type != "cpu" or k.shape[2] > 16384 or q.shape[3] > 512 or v.shape[3] > 512:
-        return bf16_flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if type(q) is not torch.Tensor and _is_fake(q):   # shape propagation: the same shape, dtype and layout
-        return bf16_flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     B, H, Sq, D = q.shape
-    Sk, Dv = k.shape[2], v.shape[3]
+    Hk, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     mask = _float_mask(attn_mask, (B, H, Sq, Sk))
     if mask is False:   # a mask of a shape this kernel does not read
-        return bf16_flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
     ops = []
     for t in (q, k, v):
@@ -127,8 +142,10 @@ def _fused_attention(fn, q, k, v, attn_mask, dropout_p, is_causal, scale, enable
     st = ffi.new("int64_t[15]", [t.stride(i) if t.shape[i] > 1 else 0 for t in tensors for i in range(3)])
     lens = [t.untyped_storage().nbytes() // t.element_size() - t.storage_offset() for t in tensors]
     qb, kb, vb = ops
+    heads = (B, H, Hk) if extended else (B, H)
+    scaling = (scale, int(bool(is_causal))) if extended else (scale,)
     status = fn(ffi.cast("uint16_t *", qb.data_ptr()), lens[0], st, ffi.cast("uint16_t *", kb.data_ptr()), lens[1], st + 3,
-                ffi.cast("uint16_t *", vb.data_ptr()), lens[2], st + 6, B, H, Sq, Sk, D, Dv, scale,
+                ffi.cast("uint16_t *", vb.data_ptr()), lens[2], st + 6, *heads, Sq, Sk, D, Dv, *scaling,
                 ffi.NULL if mask is None else ffi.cast("float *", mask.data_ptr()), 0 if mask is None else lens[4],
                 ffi.NULL if mask is None else st + 12, ffi.cast("float *", out.data_ptr()), lens[3], st + 9,
                 torch.get_num_threads())
@@ -136,7 +153,7 @@ def _fused_attention(fn, q, k, v, attn_mask, dropout_p, is_causal, scale, enable
         for key, kfn in _fused_fns.items():
             if kfn is fn:
                 _fused_fns[key] = None
-        return bf16_flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     native.check(status, getattr(fn, "__name__", "fused attention"))
     return res
 

@@ -292,24 +292,24 @@ static int64_t KFN(co_extent4)(int64_t n0, int64_t n1, int64_t n2, int64_t n3, c
 }
 
 #if defined(CO_VARIANT_AVX512)
-/* the arguments of a fused attention kernel (this one, dpbf16_attention.c's): 1 when there is work
- * and every operand's farthest element lies within its length, else the status to return (CO_OK for
- * an empty problem) */
+/* the arguments of a fused attention kernel (this one, dpbf16_attention.c's; k and v with Hk heads,
+ * H / Hk query heads reading each): 1 when there is work and every operand's farthest element lies
+ * within its length, else the status to return (CO_OK for an empty problem) */
 static int64_t KFN(co_attention_check)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k,
                                        int64_t k_len, const int64_t *ks, const uint16_t *v, int64_t v_len,
-                                       const int64_t *vs, int64_t B, int64_t H, int64_t nq, int64_t nk, int64_t d,
+                                       const int64_t *vs, int64_t B, int64_t H, int64_t Hk, int64_t nq, int64_t nk, int64_t d,
                                        int64_t dv, float scale, const float *mask, int64_t mask_len, const int64_t *ms,
                                        const float *out, int64_t out_len, const int64_t *os, int nthreads) {
-    if (B < 0 || H < 0 || nq < 0 || nk < 0 || d < 0 || dv < 0 || nthreads < 1 || !(scale == scale) ||
+    if (B < 0 || H < 0 || Hk < 0 || nq < 0 || nk < 0 || d < 0 || dv < 0 || nthreads < 1 || !(scale == scale) ||
         nk > CO_AMX_KEYS_MAX || d > CO_AMX_DIM_MAX || dv > CO_AMX_DIM_MAX || qs == NULL || ks == NULL ||
         vs == NULL || os == NULL)
         return CO_ERR_BAD_ARGUMENT;
     if (B == 0 || H == 0 || nq == 0 || dv == 0)
         return CO_OK;
-    if (nk == 0 || d == 0 || q == NULL || k == NULL || v == NULL || out == NULL || (mask != NULL && ms == NULL))
+    if (Hk < 1 || H % Hk != 0 || nk == 0 || d == 0 || q == NULL || k == NULL || v == NULL || out == NULL || (mask != NULL && ms == NULL))
         return CO_ERR_BAD_ARGUMENT;
-    int64_t eq = KFN(co_extent4)(B, H, nq, d, qs), ek = KFN(co_extent4)(B, H, nk, d, ks);
-    int64_t ev = KFN(co_extent4)(B, H, nk, dv, vs), eo = KFN(co_extent4)(B, H, nq, dv, os);
+    int64_t eq = KFN(co_extent4)(B, H, nq, d, qs), ek = KFN(co_extent4)(B, Hk, nk, d, ks);
+    int64_t ev = KFN(co_extent4)(B, Hk, nk, dv, vs), eo = KFN(co_extent4)(B, H, nq, dv, os);
     int64_t em = mask ? KFN(co_extent4)(B, H, nq, nk, ms) : 0;
     if (eq < 0 || ek < 0 || ev < 0 || eo < 0 || em < 0)
         return CO_ERR_BAD_ARGUMENT;
@@ -330,7 +330,7 @@ int64_t KFN(amx_attention_bf16)(const uint16_t *q, int64_t q_len, const int64_t 
     (void)out; (void)out_len; (void)os; (void)nthreads;
     return CO_ERR_UNSUPPORTED_AMX;
 #else
-    int64_t status = KFN(co_attention_check)(q, q_len, qs, k, k_len, ks, v, v_len, vs, B, H, nq, nk, d, dv, scale,
+    int64_t status = KFN(co_attention_check)(q, q_len, qs, k, k_len, ks, v, v_len, vs, B, H, H, nq, nk, d, dv, scale,
                                              mask, mask_len, ms, out, out_len, os, nthreads);
     if (status != 1)
         return status;

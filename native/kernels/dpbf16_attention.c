@@ -6,8 +6,11 @@
  *   out[b, h, i, :] = sum_j p[i, j] v[b, h, j, :],  p = softmax_j(scale * <q[b, h, i], k[b, h, j]> + mask[b, h, i, j])
  *
  * q, k, v bf16 read where they lie (last dimension dense, any other strides), out float32 written
- * with its own strides, mask float32 (NULL: none; strides 0 where it broadcasts). Per (b, h) task:
- * k and v packed once into the pair-interleaved layout (key pairs for v, dimension pairs for k);
+ * with its own strides, mask float32 (NULL: none; strides 0 where it broadcasts). k and v may have
+ * fewer heads (Hk, dividing H: grouped-query attention, query head h reading kv head h / (H / Hk)).
+ * causal: query i sees keys j <= i (torch's is_causal), the keys past a block's last query skipped.
+ * Per (b, h) task: k and v packed into the pair-interleaved layout (key pairs for v, dimension pairs
+ * for k), once per kv head a thread meets;
  * then per block of 12 queries the scores (12 x 32 keys per register block, float32), the softmax
  * of each row (bf16 probabilities, rounded to nearest even, normalised afterwards on the output
  * row as a flash kernel does; an all -inf row gives zeros) and p @ v (12 x 32 output dimensions per
@@ -47,14 +50,12 @@ static inline void KFN(co_dp_block)(const uint16_t *a, int64_t lda, const uint32
     }
 }
 
+/* one (batch, head): k and v already packed (kp, vp) */
 __attribute__((target("avx512bf16")))
-static void KFN(co_dp_head)(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t qs, int64_t ks,
-                            int64_t vs, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale,
-                            const float *mask, int64_t ms, float *out, int64_t os,
-                            uint32_t *kp, uint16_t *vp, uint16_t *qb, float *sb, uint16_t *pb, float *ob) {
+static void KFN(co_dp_head)(const uint16_t *q, int64_t qs, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale,
+                            int causal, const float *mask, int64_t ms, float *out, int64_t os,
+                            const uint32_t *kp, const uint16_t *vp, uint16_t *qb, float *sb, uint16_t *pb, float *ob) {
     const int64_t nk_p = KFN(co_round_up)(nk, 32), d_p = KFN(co_round_up)(d, 2), dv_p = KFN(co_round_up)(dv, 32);
-    KFN(co_pack_k)(k, ks, nk, d, nk_p, d_p, kp);
-    KFN(co_pack_v)(v, vs, nk, dv, nk_p, dv_p, vp);
     for (int64_t i0 = 0; i0 < nq; i0 += CO_DP_MR) {
         const int64_t rows = nq - i0 < CO_DP_MR ? nq - i0 : CO_DP_MR;
         /* the block's queries: read where they lie when whole, else copied zero padded (a padded
@@ -68,17 +69,23 @@ static void KFN(co_dp_head)(const uint16_t *q, const uint16_t *k, const uint16_t
             qa = qb;
             lda = d_p;
         }
-        for (int64_t n0 = 0; n0 < nk_p; n0 += 32)
+        /* causal (query i sees keys j <= i, torch's top-left alignment): the keys past the block's
+         * last query are neither scored nor read */
+        const int64_t seen = causal ? (nk < i0 + CO_DP_MR ? nk : i0 + CO_DP_MR) : nk;
+        const int64_t n_hi = KFN(co_round_up)(seen, 32);
+        for (int64_t n0 = 0; n0 < n_hi; n0 += 32)
             KFN(co_dp_block)(qa, lda, kp + n0, nk_p, d_p / 2, sb + n0, nk_p, NULL);
         float inv[CO_DP_MR];
-        for (int64_t r = 0; r < CO_DP_MR; r++)
-            inv[r] = KFN(co_amx_softmax_row)(sb + r * nk_p, nk, nk_p, scale,
+        for (int64_t r = 0; r < CO_DP_MR; r++) {
+            const int64_t keys = causal && i0 + r + 1 < nk ? i0 + r + 1 : nk;
+            inv[r] = KFN(co_amx_softmax_row)(sb + r * nk_p, keys, n_hi, scale,
                                              (mask && r < rows) ? mask + (i0 + r) * ms : NULL, pb + r * nk_p);
+        }
         for (int64_t c0 = 0; c0 < dv_p; c0 += 32) {
             if (rows == CO_DP_MR && c0 + 32 <= dv) {   /* straight into the output */
-                KFN(co_dp_block)(pb, nk_p, (const uint32_t *)vp + c0, dv_p, nk_p / 2, out + i0 * os + c0, os, inv);
+                KFN(co_dp_block)(pb, nk_p, (const uint32_t *)vp + c0, dv_p, n_hi / 2, out + i0 * os + c0, os, inv);
             } else {
-                KFN(co_dp_block)(pb, nk_p, (const uint32_t *)vp + c0, dv_p, nk_p / 2, ob, 32, inv);
+                KFN(co_dp_block)(pb, nk_p, (const uint32_t *)vp + c0, dv_p, n_hi / 2, ob, 32, inv);
                 const int64_t w = dv - c0 < 32 ? dv - c0 : 32;
                 for (int64_t r = 0; r < rows && w > 0; r++)
                     memcpy(out + (i0 + r) * os + c0, ob + r * 32, (size_t)w * sizeof(float));
@@ -90,17 +97,17 @@ static void KFN(co_dp_head)(const uint16_t *q, const uint16_t *k, const uint16_t
 
 int64_t KFN(dpbf16_attention)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k, int64_t k_len,
                               const int64_t *ks, const uint16_t *v, int64_t v_len, const int64_t *vs, int64_t B,
-                              int64_t H, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale,
-                              const float *mask, int64_t mask_len, const int64_t *ms, float *out, int64_t out_len,
-                              const int64_t *os, int nthreads) {
+                              int64_t H, int64_t Hk, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale,
+                              int causal, const float *mask, int64_t mask_len, const int64_t *ms, float *out,
+                              int64_t out_len, const int64_t *os, int nthreads) {
 #if !defined(CO_VARIANT_AVX512)
     (void)q; (void)q_len; (void)qs; (void)k; (void)k_len; (void)ks; (void)v; (void)v_len; (void)vs; (void)B;
-    (void)H; (void)nq; (void)nk; (void)d; (void)dv; (void)scale; (void)mask; (void)mask_len; (void)ms;
-    (void)out; (void)out_len; (void)os; (void)nthreads;
+    (void)H; (void)Hk; (void)nq; (void)nk; (void)d; (void)dv; (void)scale; (void)causal; (void)mask;
+    (void)mask_len; (void)ms; (void)out; (void)out_len; (void)os; (void)nthreads;
     return CO_ERR_UNSUPPORTED_AMX;
 #else
-    int64_t status = KFN(co_attention_check)(q, q_len, qs, k, k_len, ks, v, v_len, vs, B, H, nq, nk, d, dv, scale,
-                                             mask, mask_len, ms, out, out_len, os, nthreads);
+    int64_t status = KFN(co_attention_check)(q, q_len, qs, k, k_len, ks, v, v_len, vs, B, H, Hk, nq, nk, d, dv,
+                                             scale, mask, mask_len, ms, out, out_len, os, nthreads);
     if (status != 1)
         return status;
     if (!__builtin_cpu_supports("avx512bf16"))
@@ -127,14 +134,21 @@ int64_t KFN(dpbf16_attention)(const uint16_t *q, int64_t q_len, const int64_t *q
         if (lo < hi && buf == NULL) {
             failed = 1;
         } else if (lo < hi) {
+            uint32_t *kp = (uint32_t *)(buf + offs[0]);
+            uint16_t *vp = (uint16_t *)(buf + offs[1]);
+            int64_t packed = -1;   /* the (batch, kv head) whose k and v are in kp / vp */
             for (int64_t t = lo; t < hi; t++) {
-                int64_t b = t / H, h = t % H;
+                const int64_t b = t / H, h = t % H, hk = h / (H / Hk);
+                if (b * Hk + hk != packed) {   /* grouped query heads share their kv head's packing */
+                    KFN(co_pack_k)(k + b * ks[0] + hk * ks[1], ks[2], nk, d, nk_p, d_p, kp);
+                    KFN(co_pack_v)(v + b * vs[0] + hk * vs[1], vs[2], nk, dv, nk_p, dv_p, vp);
+                    packed = b * Hk + hk;
+                }
                 const float *mb = mask ? mask + b * ms[0] + h * ms[1] : NULL;
-                KFN(co_dp_head)(q + b * qs[0] + h * qs[1], k + b * ks[0] + h * ks[1], v + b * vs[0] + h * vs[1],
-                                qs[2], ks[2], vs[2], nq, nk, d, dv, scale, mb, mask ? ms[2] : 0,
-                                out + b * os[0] + h * os[1], os[2], (uint32_t *)(buf + offs[0]),
-                                (uint16_t *)(buf + offs[1]), (uint16_t *)(buf + offs[2]), (float *)(buf + offs[3]),
-                                (uint16_t *)(buf + offs[4]), (float *)(buf + offs[5]));
+                KFN(co_dp_head)(q + b * qs[0] + h * qs[1], qs[2], nq, nk, d, dv, scale, causal, mb,
+                                mask ? ms[2] : 0, out + b * os[0] + h * os[1], os[2], kp, vp,
+                                (uint16_t *)(buf + offs[2]), (float *)(buf + offs[3]), (uint16_t *)(buf + offs[4]),
+                                (float *)(buf + offs[5]));
             }
             free(buf);
         }

@@ -215,12 +215,14 @@ def test_a_shared_boolean_mask_is_made_additive_once(dtype):
     plan = next(iter(opt._plans.values()))
     made = [n for n in plan.program.graph.nodes if n.op == "call_function" and n.target is additive_mask]
     assert len(made) == 1 and len(made[0].users) == 3
-    # the dtype the routed kernel adds it in: float32 scores on the fp32 routes and on bf16
-    # matmul -> softmax -> matmul (bf16 without AMX), bf16 for torch's bf16 flash kernel (with AMX)
-    from cpu_opt.backends.attention import bf16_matmul_softmax_attention
+    # the dtype the routed kernel adds it in: float32 scores on the fp32 routes, on bf16
+    # matmul -> softmax -> matmul and cpu_opt's fused kernel (bf16 without AMX), bf16 for torch's bf16
+    # flash kernel (with AMX)
+    from cpu_opt.backends.attention import bf16_matmul_softmax_attention, dpbf16_attention_bf16
     routed = {u.target for u in made[0].users}
     assert len(routed) == 1
-    want = torch.bfloat16 if dtype == "bf16" and routed != {bf16_matmul_softmax_attention} else torch.float32
+    want = torch.bfloat16 if dtype == "bf16" and not routed & {bf16_matmul_softmax_attention, dpbf16_attention_bf16} \
+        else torch.float32
     assert made[0].args[1] == want
     assert any("boolean attention mask" in line for line in opt.report()["passes"])
     tol = 1e-5 if dtype == "fp32" else 3e-2

@@ -155,6 +155,49 @@ def test_hf_model_in_bf16_matches_eager(name):
         assert _min_cos(out, ref) >= 0.99, (name, shape, _min_cos(out, ref))
 
 
+@pytest.mark.parametrize("name", ["gpt2_lm_head", "llama", "bert"])
+def test_bf16_attention_runs_the_routed_kernel(name, monkeypatch):
+    """bf16 attention goes where the route says, and that kernel really runs: on a CPU with
+    AVX512_BF16 and no AMX it is cpu_opt's fused kernel (``dpbf16``), counted per call, with GPT-2's
+    and Llama's causal masks over left padding and BERT's padding mask; elsewhere the
+    graph holds no call of it. Outputs within bf16 rounding of eager float32."""
+    from cpu_opt.backends import attention as battn
+    from cpu_opt.platform import routing
+
+    calls = []
+    real = battn._dpbf16_kernel
+
+    def counting():
+        fn = real()
+        if fn is None:
+            return None
+
+        def wrapped(*a):
+            calls.append(a[9:12])   # B, H, kv heads
+            return fn(*a)
+        return wrapped
+
+    monkeypatch.setattr(battn, "_dpbf16_kernel", counting)
+    make, inputs = CASES[name]
+    torch.manual_seed(0)
+    model = make().eval()
+    opt = cpu_opt.optimize(model, inputs(*SHAPES["first"]), dtype="bf16")
+    assert opt.report()["validation"]["ok"] and "fell_back" not in opt.report()["validation"]
+    plan = next(iter(opt._plans.values()))
+    routed = [n for n in plan.program.graph.nodes if n.op == "call_function" and n.target is battn.dpbf16_attention_bf16]
+    calls.clear()
+    for shape, out, ref in _at_two_shapes(model, inputs, opt):
+        assert _min_cos(out, ref) >= 0.99, (name, shape, _min_cos(out, ref))
+    if routing.route("attention", "bf16").backend == "dpbf16":
+        assert len(routed) == 2   # two layers
+        # two layers at each shape (the new shape's validation runs its plan once more), 4 query heads
+        # reading 4 kv heads (Llama's 2 are repeated by HF before the attention)
+        assert {c[0] for c in calls} == {2, 3} and {c[1:] for c in calls} == {(4, 4)}, calls
+        assert len(calls) >= 4 and len(calls) % 2 == 0, calls
+    else:
+        assert not routed and not calls
+
+
 def test_hf_audio_encoder_in_bf16_is_refused_by_validation_with_its_reason():
     """wav2vec2 (random weights) is too imprecise in bf16 whoever runs it: eager bf16 and autocast are
     at cosine 0.972 from float32. cpu_opt's plan agrees with them, its validation against float32

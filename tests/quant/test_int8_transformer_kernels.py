@@ -121,12 +121,39 @@ def test_fused_attention_fully_masked_rows_are_zero_and_other_calls_go_to_torch(
         assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
         assert torch.isfinite(out).all()
     n = len(flash_calls)
-    # what the kernel does not take runs torch's flash kernel, with the same answers
-    for kw in ({"is_causal": True}, {"dropout_p": 0.0, "enable_gqa": True}):
-        attention(q, k, v, None, **kw)
-    assert len(flash_calls) == n + 2
+    # what the kernel does not take runs torch's flash kernel, with the same answers: the AMX kernel
+    # takes no causal flag or grouped heads (the AVX512_BF16 one does: the next test)
+    if kernel == "amx":
+        for kw in ({"is_causal": True}, {"dropout_p": 0.0, "enable_gqa": True}):
+            attention(q, k, v, None, **kw)
+        n += 2
+    attention(q, k, v, mask, is_causal=True)   # both: torch's own error or answer decides
     attention(q[0], k[0], v[0])   # rank 3
-    assert len(flash_calls) == n + 3
+    assert len(flash_calls) == n + 2
+
+
+@pytest.mark.parametrize("Sq,Sk,H,Hk", [(37, 37, 4, 4), (5, 70, 4, 2), (128, 128, 12, 12), (24, 24, 8, 2), (1, 9, 2, 1)])
+def test_dpbf16_attention_takes_causal_and_grouped_heads(Sq, Sk, H, Hk, flash_calls):
+    """The AVX512_BF16 kernel's own extras: torch's is_causal (query i sees keys j <= i, the keys
+    past a block skipped) and grouped query heads (enable_gqa: H / Hk query heads per kv head, each
+    kv head packed once), against the float64 reference."""
+    g = gen(Sq * 7 + Hk)
+    q = torch.randn(2, H, Sq, 64, generator=g).bfloat16()
+    k, v = (torch.randn(2, Hk, Sk, 64, generator=g).bfloat16() for _ in range(2))
+    causal = torch.ones(Sq, Sk, dtype=torch.bool).tril()
+    for is_causal in (True, False):
+        out = battn.dpbf16_attention(q, k, v, None, is_causal=is_causal, enable_gqa=Hk != H)
+        kr, vr = (t.repeat_interleave(H // Hk, dim=1) for t in (k, v))
+        ref = _reference(q, kr, vr, causal if is_causal else None, 1 / 8)
+        err = (out.double() - ref).abs().max().item()
+        if _runs_here("dpbf16"):
+            assert not flash_calls and err < 2e-3, err
+        else:
+            assert flash_calls and err < 5e-2, err
+    # the bf16 graph's entry point: the same numbers in bf16, its fallback matmul -> softmax -> matmul
+    out16 = battn.dpbf16_attention_bf16(q, k, v, None, is_causal=True, enable_gqa=Hk != H)
+    assert out16.dtype == torch.bfloat16
+    assert (out16.double() - _reference(q, kr, vr, causal, 1 / 8)).abs().max() < 3e-2
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -142,14 +169,19 @@ def test_fused_attention_kernel_checks_every_operand_bound(kernel):
     mask = torch.zeros(1, 1, 16, 16)
     u16, f32 = (lambda t: f.cast("uint16_t *", t.data_ptr())), (lambda t: f.cast("float *", t.data_ptr()))
 
-    def call(q_len=2048, k_len=2048, v_len=2048, out_len=2048, m_len=256, nk=16):
-        return fn(u16(q), q_len, st, u16(k), k_len, st + 3, u16(v), v_len, st + 6, 1, 2, 16, nk, 64, 64, 0.125,
+    def call(q_len=2048, k_len=2048, v_len=2048, out_len=2048, m_len=256, nk=16, hk=2):
+        heads, scaling = ((1, 2, hk), (0.125, 0)) if kernel == "dpbf16" else ((1, 2), (0.125,))
+        return fn(u16(q), q_len, st, u16(k), k_len, st + 3, u16(v), v_len, st + 6, *heads, 16, nk, 64, 64, *scaling,
                   f32(mask), m_len, st + 12, f32(out), out_len, st + 9, 2)
 
     assert call() == 0
     for bad in ({"q_len": 2047}, {"k_len": 100}, {"v_len": 0}, {"out_len": 2000}, {"m_len": 255}):
         assert call(**bad) == -1, bad    # CO_ERR_INDEX_OUT_OF_RANGE, nothing read or written
     assert call(nk=16385) == -2          # more keys than the kernel takes
+    if kernel == "dpbf16":
+        assert call(hk=0) == -2 and call(hk=3) == -2   # kv heads that do not divide the query heads
+        assert call(hk=1, k_len=1024, v_len=1024) == 0   # one kv head reaches half as far
+        assert call(hk=1, k_len=1023) == -1
     with pytest.raises(NativeKernelError, match="CO_ERR_INDEX_OUT_OF_RANGE"):
         native.check(call(q_len=10), KERNELS[kernel][1])
 
@@ -162,9 +194,10 @@ def test_fused_attention_kernels_refuse_without_their_variant():
         if variant == "avx512":
             continue
         st = f.new("int64_t[3]", [0, 0, 0])
-        for _, name, _ in KERNELS.values():
-            assert native.kernel(name, variant)(f.NULL, 0, st, f.NULL, 0, st, f.NULL, 0, st, 1, 1, 1, 1,
-                                                64, 64, 1.0, f.NULL, 0, f.NULL, f.NULL, 0, st, 1) == -6
+        assert native.kernel("amx_attention_bf16", variant)(f.NULL, 0, st, f.NULL, 0, st, f.NULL, 0, st, 1, 1, 1, 1,
+                                                             64, 64, 1.0, f.NULL, 0, f.NULL, f.NULL, 0, st, 1) == -6
+        assert native.kernel("dpbf16_attention", variant)(f.NULL, 0, st, f.NULL, 0, st, f.NULL, 0, st, 1, 1, 1, 1, 1,
+                                                           64, 64, 1.0, 0, f.NULL, 0, f.NULL, f.NULL, 0, st, 1) == -6
 
 
 # ------------------------------------------------------------------------------- LayerNorm -> uint8

@@ -11,8 +11,9 @@ aten = torch.ops.aten
 
 
 def route_attention(gm: torch.fx.GraphModule, dtype: str, int8: bool = False) -> list[str]:
-    """Attention ops go where the attention route says: torch's flash kernel (the SDPA node as it is)
-    or matmul -> softmax -> matmul in the graph's dtype (:mod:`cpu_opt.backends.attention`).
+    """Attention ops go where the attention route says: torch's flash kernel (the SDPA node as it is),
+    matmul -> softmax -> matmul in the graph's dtype, or (bf16 graphs on CPUs with AVX512_BF16 and no
+    AMX) cpu_opt's fused kernel (:mod:`cpu_opt.backends.attention`).
 
     ``int8``: the float32 attention of an int8 graph (its matmuls are not quantized) runs cpu_opt's fused
     bf16 kernel where the ``attention``/``int8`` route says so (:func:`cpu_opt.backends.attention.amx_attention`
@@ -44,11 +45,13 @@ def route_attention(gm: torch.fx.GraphModule, dtype: str, int8: bool = False) ->
             return [f"{len(done)} attention op(s) of the int8 graph on {where}"
                     + (f"; {n_bf16} int8 projection(s) feeding them write bf16" if n_bf16 else "")] if done else []
     r = routing.route("attention", dtype)
-    if r.backend not in ("bf16_matmul_softmax", "matmul_softmax"):
-        return []
-    from ...backends.attention import bf16_matmul_softmax_attention, matmul_softmax_attention
+    from ...backends import attention as battn
 
-    target = bf16_matmul_softmax_attention if r.backend == "bf16_matmul_softmax" else matmul_softmax_attention
+    target = {"bf16_matmul_softmax": battn.bf16_matmul_softmax_attention,
+              "matmul_softmax": battn.matmul_softmax_attention,
+              "dpbf16": battn.dpbf16_attention_bf16 if dtype == "bf16" else None}.get(r.backend)
+    if target is None:
+        return []
     n_done = 0
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target == aten.scaled_dot_product_attention.default:
@@ -69,9 +72,11 @@ def shared_masks(gm: torch.fx.GraphModule) -> list[str]:
     this tensor itself. The matmul -> softmax -> matmul route (bf16 without AMX) reads it too, in
     float32, its scores' dtype: adding 0 / -inf gives what its ``masked_fill`` of the boolean mask gave."""
     from ...backends.attention import (additive_mask, amx_attention, bf16_flash_attention,
-                                       bf16_matmul_softmax_attention, dpbf16_attention, matmul_softmax_attention)
+                                       bf16_matmul_softmax_attention, dpbf16_attention, dpbf16_attention_bf16,
+                                       matmul_softmax_attention)
 
-    float32_scores = (amx_attention, dpbf16_attention, matmul_softmax_attention, bf16_matmul_softmax_attention)
+    float32_scores = (amx_attention, dpbf16_attention, dpbf16_attention_bf16, matmul_softmax_attention,
+                      bf16_matmul_softmax_attention)
     groups: dict = {}
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target not in (aten.scaled_dot_product_attention.default, bf16_flash_attention,
