@@ -285,6 +285,7 @@ def _conv_int8(dims) -> Built:
 
 
 def _attention(dtype: str, dims) -> Built:
+    from ..backends import attention as battn
     from ..backends.attention import matmul_softmax_attention
 
     bsz, heads, seq, d = dims
@@ -297,6 +298,8 @@ def _attention(dtype: str, dims) -> Built:
     _admit(out, "torch_flash", lambda: (lambda: F.scaled_dot_product_attention(q, k, v)), check)
     name = "bf16_matmul_softmax" if dtype == "bf16" else "matmul_softmax"
     _admit(out, name, lambda: (lambda: matmul_softmax_attention(q, k, v)), check)
+    if dtype == "bf16" and battn._dpbf16_kernel() is not None:   # AVX512_BF16 here (under the ISA cap)
+        _admit(out, "dpbf16", lambda: (lambda: battn.dpbf16_attention_bf16(q, k, v)), check)
     return out
 
 
