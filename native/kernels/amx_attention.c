@@ -319,6 +319,22 @@ static int64_t KFN(co_attention_check)(const uint16_t *q, int64_t q_len, const i
 }
 #endif
 
+#if defined(CO_VARIANT_AVX512)
+/* inside an omp parallel region: this thread's contiguous share [lo, hi) of `tasks` (no worksharing
+ * construct: a thread whose buffer could not be allocated just reports it) and, when it has one, its
+ * buffer of `bytes` (a multiple of 64), 64-byte aligned (NULL when it has no share or malloc failed) */
+static char *KFN(co_thread_share)(int64_t tasks, size_t bytes, int64_t *lo, int64_t *hi) {
+    int tid = 0, T = 1;
+#ifdef _OPENMP
+    tid = omp_get_thread_num();
+    T = omp_get_num_threads();
+#endif
+    *lo = tasks * tid / T;
+    *hi = tasks * (tid + 1) / T;
+    return *lo < *hi ? (char *)aligned_alloc(64, bytes) : NULL;
+}
+#endif
+
 int64_t KFN(amx_attention_bf16)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k, int64_t k_len,
                                 const int64_t *ks, const uint16_t *v, int64_t v_len, const int64_t *vs, int64_t B,
                                 int64_t H, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale,
@@ -345,15 +361,8 @@ int64_t KFN(amx_attention_bf16)(const uint16_t *q, int64_t q_len, const int64_t 
     int failed = 0;
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
-        int tid = 0, T = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        T = omp_get_num_threads();
-#endif
-        /* contiguous task ranges per thread (no worksharing construct: a thread whose buffer could
-         * not be allocated just reports it) */
-        int64_t lo = tasks * tid / T, hi = tasks * (tid + 1) / T;
-        char *buf = lo < hi ? (char *)aligned_alloc(64, (per_thread + 63) / 64 * 64) : NULL;
+        int64_t lo, hi;
+        char *buf = KFN(co_thread_share)(tasks, (per_thread + 63) / 64 * 64, &lo, &hi);
         if (lo < hi && buf == NULL) {
             failed = 1;
         } else if (lo < hi) {

@@ -124,13 +124,8 @@ int64_t KFN(dpbf16_attention)(const uint16_t *q, int64_t q_len, const int64_t *q
     int failed = 0;
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
-        int tid = 0, T = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        T = omp_get_num_threads();
-#endif
-        int64_t lo = tasks * tid / T, hi = tasks * (tid + 1) / T;
-        char *buf = lo < hi ? (char *)aligned_alloc(64, offs[6]) : NULL;
+        int64_t lo, hi;
+        char *buf = KFN(co_thread_share)(tasks, offs[6], &lo, &hi);
         if (lo < hi && buf == NULL) {
             failed = 1;
         } else if (lo < hi) {
