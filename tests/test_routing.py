@@ -17,7 +17,9 @@ def test_zen5_routes():
     assert routing.route("gemm", "bf16", z5).backend == "onednn"
     assert routing.route("gemm", "fp32", z5).backend == "onednn"
     assert routing.route("gemm", "int8", z5).backend == "onednn"
-    assert routing.route("attention", "bf16", z5).backend == "bf16_matmul_softmax"
+    # AVX512_BF16 without AMX: cpu_opt's fused dot-product kernel for bf16 graphs and int8 graphs alike
+    assert routing.route("attention", "bf16", z5).backend == "dpbf16"
+    assert routing.route("attention", "int8", z5).backend == "dpbf16"
     assert routing.route("gnn", "fp32", z5).backend == "native_avx512"
     assert routing.auto_dtype(z5) == "bf16"
 
@@ -27,6 +29,7 @@ def test_zen5_capped_to_avx2_changes_routes():
     assert routing.route("gemm", "bf16", z5).backend == "torch"
     assert routing.route("gemm", "int8", z5).backend == "fbgemm"
     assert routing.route("attention", "bf16", z5).backend == "torch_flash"
+    assert routing.route("attention", "int8", z5).backend == "torch_flash"
     assert routing.route("gnn", "fp32", z5).backend == "native_avx2"
     assert routing.auto_dtype(z5) == "fp32"
 
@@ -34,6 +37,7 @@ def test_zen5_capped_to_avx2_changes_routes():
 def test_amx_takes_flash_attention():
     spr = info("intel_sapphirerapids")
     assert routing.route("attention", "bf16", spr).backend == "torch_flash"
+    assert routing.route("attention", "int8", spr).backend == "amx_bf16"
     assert routing.route("gemm", "bf16", spr).backend == "onednn"
 
 
