@@ -31,8 +31,9 @@ def matmul_softmax_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=F
     dead = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
-            s = s.masked_fill(~attn_mask, float("-inf"))
-            dead = ~attn_mask.any(-1, keepdim=True)
+            masked = attn_mask.logical_not()
+            s = s.masked_fill(masked, float("-inf"))
+            dead = masked.all(-1, keepdim=True)
         else:
             s = s + attn_mask.float()
             dead = torch.isneginf(attn_mask).all(-1, keepdim=True)
@@ -98,7 +99,7 @@ def dpbf16_attention_bf16(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fals
     not take runs :func:`bf16_matmul_softmax_attention`, this CPU's next best."""
     out = _fused_attention(_dpbf16_kernel(), q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                            extended=True, fallback=bf16_matmul_softmax_attention)
-    return out.to(q.dtype)
+    return out.to(q.dtype)   # the kernel's float32 (the fallback's output is in v's dtype already: no copy)
 
 
 def _fused_attention(fn, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, extended=False,
@@ -149,7 +150,8 @@ def _fused_attention(fn, q, k, v, attn_mask, dropout_p, is_causal, scale, enable
                 ffi.NULL if mask is None else ffi.cast("float *", mask.data_ptr()), 0 if mask is None else lens[4],
                 ffi.NULL if mask is None else st + 12, ffi.cast("float *", out.data_ptr()), lens[3], st + 9,
                 torch.get_num_threads())
-    if status == _UNSUPPORTED:   # the OS refused the tile state: torch's kernel from now on
+    if status == _UNSUPPORTED:   # the kernel cannot run here (the OS refused AMX's tile state, or the CPU has
+        # no AVX512_BF16): the fallback from now on
         for key, kfn in _fused_fns.items():
             if kfn is fn:
                 _fused_fns[key] = None
@@ -190,7 +192,7 @@ def _dpbf16_kernel():
 
 
 _FLOATS = (torch.float32, torch.bfloat16)
-_UNSUPPORTED = -6   # CO_ERR_UNSUPPORTED_AMX: no AMX variant here, or the OS refused the tile state
+_UNSUPPORTED = -6   # CO_ERR_UNSUPPORTED_AMX: not the avx512 variant, the OS refused AMX's tile state, or no AVX512_BF16
 def _float_mask(attn_mask, shape):
     """``attn_mask`` as a float32 additive mask of rank 4 whose every dimension is 1 or ``shape``'s
     and whose last is dense and full (None stays None); False where it cannot be."""

@@ -22,7 +22,7 @@
 
 /* c[r][0..31] = rs[r] * sum_t <a[r][2t], a[r][2t + 1]> . bp[t][0..31] for r < CO_DP_MR: a's rows
  * at stride lda (bf16 elements), bp's pairs (uint32: two bf16) at row stride ldb, c's rows at
- * stride ldc (floats) */
+ * stride ldc (floats); rs NULL: no row scale */
 __attribute__((target("avx512bf16")))
 static inline void KFN(co_dp_block)(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_t ldb, int64_t pairs,
                                     float *c, int64_t ldc, const float *rs) {
@@ -42,11 +42,17 @@ static inline void KFN(co_dp_block)(const uint16_t *a, int64_t lda, const uint32
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, b1);
         }
     }
+    if (rs) {
+#pragma GCC unroll 12
+        for (int r = 0; r < CO_DP_MR; r++) {
+            acc[r][0] = _mm512_mul_ps(acc[r][0], _mm512_set1_ps(rs[r]));
+            acc[r][1] = _mm512_mul_ps(acc[r][1], _mm512_set1_ps(rs[r]));
+        }
+    }
 #pragma GCC unroll 12
     for (int r = 0; r < CO_DP_MR; r++) {
-        const __m512 s = _mm512_set1_ps(rs ? rs[r] : 1.f);
-        _mm512_storeu_ps(c + r * ldc, _mm512_mul_ps(acc[r][0], s));
-        _mm512_storeu_ps(c + r * ldc + 16, _mm512_mul_ps(acc[r][1], s));
+        _mm512_storeu_ps(c + r * ldc, acc[r][0]);
+        _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
     }
 }
 
