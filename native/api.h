@@ -180,6 +180,11 @@ int64_t KFN(amx_attention_bf16)(const uint16_t *q, int64_t q_len, const int64_t 
  * avx512 variant or on a CPU without AVX512_BF16. */
 int64_t KFN(dpbf16_attention)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k, int64_t k_len, const int64_t *ks, const uint16_t *v, int64_t v_len, const int64_t *vs, int64_t B, int64_t H, int64_t Hk, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale, int causal, const float *mask, int64_t mask_len, const int64_t *ms, float *out, int64_t out_len, const int64_t *os, int nthreads);
 
+/* ---- the same attention in float32 on AVX-512 FMA (native/kernels/f32_attention.c) ----
+ * f32_attention: dpbf16_attention's operands, limits and statuses with float32 q / k / v (lengths in
+ * floats): the attention of float32 graphs. CO_ERR_UNSUPPORTED_AMX (-6) outside the avx512 variant. */
+int64_t KFN(f32_attention)(const float *q, int64_t q_len, const int64_t *qs, const float *k, int64_t k_len, const int64_t *ks, const float *v, int64_t v_len, const int64_t *vs, int64_t B, int64_t H, int64_t Hk, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale, int causal, const float *mask, int64_t mask_len, const int64_t *ms, float *out, int64_t out_len, const int64_t *os, int nthreads);
+
 /* ---- decode-step GEMV (native/kernels/gemv.c) ----
  * gemv_f32: y (M x N) = x (M x K) W^T + bias, 1 <= M <= 8, W K x N row-major when w_kn = 1, N x K
  * when w_kn = 0; bias N floats or NULL; all row-major and dense. CO_ERR_BAD_ARGUMENT for sizes out

@@ -102,20 +102,38 @@ def dpbf16_attention_bf16(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fals
     return out.to(q.dtype)   # the kernel's float32 (the fallback's output is in v's dtype already: no copy)
 
 
+def f32_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The attention of a float32 graph on an AVX-512 CPU in one call of cpu_opt's fused kernel
+    (``native/kernels/f32_attention.c``): :func:`dpbf16_attention`'s algorithm and operand handling
+    (q / k / v read where they lie, causal, grouped heads, the output written in the projection's
+    layout) in float32 throughout, so the answers are torch's SDPA's to float32 rounding. What the
+    kernel does not take (dropout, bf16 inputs, other ranks, a CPU without the avx512 variant) runs
+    torch's SDPA."""
+    return _fused_attention(_f32_kernel(), q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                            extended=True, fallback=_torch_sdpa, operands=torch.float32)
+
+
+def _torch_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                                               enable_gqa=enable_gqa)
+
+
 def _fused_attention(fn, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, extended=False,
-                     fallback=None):
+                     fallback=None, operands=torch.bfloat16):
     """One call of a fused attention kernel (``fn``: :func:`_fused_kernel`'s, None where it cannot
-    run here; ``extended``: it takes a causal flag and grouped query heads), else ``fallback``
-    (:func:`bf16_flash_attention` by default)."""
+    run here; ``extended``: it takes a causal flag and grouped query heads; ``operands``: the dtype
+    it reads q / k / v in: bf16 kernels take float32 or bf16 inputs, cast; the float32 kernel only
+    float32 ones), else ``fallback`` (:func:`bf16_flash_attention` by default)."""
     from .. import native
     from .int8 import _is_fake
 
     fallback = fallback or bf16_flash_attention
+    floats = _FLOATS if operands == torch.bfloat16 else (torch.float32,)
     groups = q.dim() == 4 and k.dim() == 4 and k.shape[1] >= 1 and q.shape[1] % k.shape[1] == 0 and \
         (k.shape[1] == q.shape[1] or (enable_gqa and extended))
     if fn is None or dropout_p or (is_causal and not (extended and attn_mask is None)) or not groups or \
             v.dim() != 4 or k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or q.shape[3] != k.shape[3] or \
-            q.dtype not in _FLOATS or k.dtype not in _FLOATS or v.dtype not in _FLOATS or q.device.type != "cpu" or \
+            q.dtype not in floats or k.dtype not in floats or v.dtype not in floats or q.device.type != "cpu" or \
             k.device.type != "cpu" or v.device.type != "cpu" or k.shape[2] > 16384 or q.shape[3] > 512 or v.shape[3] > 512:
         return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if type(q) is not torch.Tensor and _is_fake(q):   # shape propagation: the same shape, dtype and layout
@@ -128,8 +146,8 @@ def _fused_attention(fn, q, k, v, attn_mask, dropout_p, is_causal, scale, enable
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
     ops = []
     for t in (q, k, v):
-        if t.dtype != torch.bfloat16:
-            t = t.to(torch.bfloat16)
+        if t.dtype != operands:
+            t = t.to(operands)
         if t.stride(3) != 1 and t.shape[3] > 1:
             t = t.contiguous()
         ops.append(t)
@@ -145,8 +163,9 @@ def _fused_attention(fn, q, k, v, attn_mask, dropout_p, is_causal, scale, enable
     qb, kb, vb = ops
     heads = (B, H, Hk) if extended else (B, H)
     scaling = (scale, int(bool(is_causal))) if extended else (scale,)
-    status = fn(ffi.cast("uint16_t *", qb.data_ptr()), lens[0], st, ffi.cast("uint16_t *", kb.data_ptr()), lens[1], st + 3,
-                ffi.cast("uint16_t *", vb.data_ptr()), lens[2], st + 6, *heads, Sq, Sk, D, Dv, *scaling,
+    ptr = "uint16_t *" if operands == torch.bfloat16 else "float *"
+    status = fn(ffi.cast(ptr, qb.data_ptr()), lens[0], st, ffi.cast(ptr, kb.data_ptr()), lens[1], st + 3,
+                ffi.cast(ptr, vb.data_ptr()), lens[2], st + 6, *heads, Sq, Sk, D, Dv, *scaling,
                 ffi.NULL if mask is None else ffi.cast("float *", mask.data_ptr()), 0 if mask is None else lens[4],
                 ffi.NULL if mask is None else st + 12, ffi.cast("float *", out.data_ptr()), lens[3], st + 9,
                 torch.get_num_threads())
@@ -160,10 +179,11 @@ def _fused_attention(fn, q, k, v, attn_mask, dropout_p, is_causal, scale, enable
     return res
 
 
-# the ISA features each fused attention kernel needs (both run in the avx512 variant only: every CPU
-# with AMX or AVX512_BF16 has AVX-512)
+# the ISA features each fused attention kernel needs beyond the avx512 variant (all run in it only:
+# every CPU with AMX or AVX512_BF16 has AVX-512)
 _KERNEL_NEEDS = {"amx_attention_bf16": frozenset({"amx_bf16", "amx_tile"}),
-                 "dpbf16_attention": frozenset({"avx512_bf16"})}
+                 "dpbf16_attention": frozenset({"avx512_bf16"}),
+                 "f32_attention": frozenset()}   # the avx512 variant alone
 _fused_fns: dict = {}
 
 
@@ -189,6 +209,11 @@ def _amx_kernel():
 def _dpbf16_kernel():
     """The AVX512_BF16 kernel where this CPU has AVX512_BF16, else None."""
     return _fused_kernel("dpbf16_attention")
+
+
+def _f32_kernel():
+    """The float32 kernel where this CPU runs the avx512 variant, else None."""
+    return _fused_kernel("f32_attention")
 
 
 _FLOATS = (torch.float32, torch.bfloat16)

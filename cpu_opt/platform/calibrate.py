@@ -300,6 +300,8 @@ def _attention(dtype: str, dims) -> Built:
     _admit(out, name, lambda: (lambda: matmul_softmax_attention(q, k, v)), check)
     if dtype == "bf16" and battn._dpbf16_kernel() is not None:   # AVX512_BF16 here (under the ISA cap)
         _admit(out, "dpbf16", lambda: (lambda: battn.dpbf16_attention_bf16(q, k, v)), check)
+    if dtype == "fp32" and battn._f32_kernel() is not None:   # the avx512 variant here (under the ISA cap)
+        _admit(out, "f32_fused", lambda: (lambda: battn.f32_attention(q, k, v)), check)
     return out
 
 

@@ -292,11 +292,12 @@ static int64_t KFN(co_extent4)(int64_t n0, int64_t n1, int64_t n2, int64_t n3, c
 }
 
 #if defined(CO_VARIANT_AVX512)
-/* the arguments of a fused attention kernel (this one, dpbf16_attention.c's; k and v with Hk heads,
+/* the arguments of a fused attention kernel (this one, dpbf16_attention.c's, f32_attention.c's; lengths in
+ * elements of the operands' own type; k and v with Hk heads,
  * H / Hk query heads reading each): 1 when there is work and every operand's farthest element lies
  * within its length, else the status to return (CO_OK for an empty problem) */
-static int64_t KFN(co_attention_check)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k,
-                                       int64_t k_len, const int64_t *ks, const uint16_t *v, int64_t v_len,
+static int64_t KFN(co_attention_check)(const void *q, int64_t q_len, const int64_t *qs, const void *k,
+                                       int64_t k_len, const int64_t *ks, const void *v, int64_t v_len,
                                        const int64_t *vs, int64_t B, int64_t H, int64_t Hk, int64_t nq, int64_t nk, int64_t d,
                                        int64_t dv, float scale, const float *mask, int64_t mask_len, const int64_t *ms,
                                        const float *out, int64_t out_len, const int64_t *os, int nthreads) {

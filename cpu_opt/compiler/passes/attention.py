@@ -12,8 +12,9 @@ aten = torch.ops.aten
 
 def route_attention(gm: torch.fx.GraphModule, dtype: str, int8: bool = False) -> list[str]:
     """Attention ops go where the attention route says: torch's flash kernel (the SDPA node as it is),
-    matmul -> softmax -> matmul in the graph's dtype, or (bf16 graphs on CPUs with AVX512_BF16 and no
-    AMX) cpu_opt's fused kernel (:mod:`cpu_opt.backends.attention`).
+    matmul -> softmax -> matmul in the graph's dtype, or cpu_opt's fused kernels
+    (:mod:`cpu_opt.backends.attention`: bf16 graphs on CPUs with AVX512_BF16 and no AMX, float32 graphs
+    on CPUs with AVX-512).
 
     ``int8``: the float32 attention of an int8 graph (its matmuls are not quantized) runs cpu_opt's fused
     bf16 kernel where the ``attention``/``int8`` route says so (:func:`cpu_opt.backends.attention.amx_attention`
@@ -49,7 +50,9 @@ def route_attention(gm: torch.fx.GraphModule, dtype: str, int8: bool = False) ->
 
     target = {"bf16_matmul_softmax": battn.bf16_matmul_softmax_attention,
               "matmul_softmax": battn.matmul_softmax_attention,
-              "dpbf16": battn.dpbf16_attention_bf16 if dtype == "bf16" else None}.get(r.backend)
+              "dpbf16": battn.dpbf16_attention_bf16 if dtype == "bf16" else None,
+              "f32_fused": battn.f32_attention if dtype == "fp32" and battn._f32_kernel() is not None else None
+              }.get(r.backend)
     if target is None:
         return []
     n_done = 0
@@ -73,9 +76,9 @@ def shared_masks(gm: torch.fx.GraphModule) -> list[str]:
     float32, its scores' dtype: adding 0 / -inf gives what its ``masked_fill`` of the boolean mask gave."""
     from ...backends.attention import (additive_mask, amx_attention, bf16_flash_attention,
                                        bf16_matmul_softmax_attention, dpbf16_attention, dpbf16_attention_bf16,
-                                       matmul_softmax_attention)
+                                       f32_attention, matmul_softmax_attention)
 
-    float32_scores = (amx_attention, dpbf16_attention, dpbf16_attention_bf16, matmul_softmax_attention,
+    float32_scores = (amx_attention, dpbf16_attention, dpbf16_attention_bf16, f32_attention, matmul_softmax_attention,
                       bf16_matmul_softmax_attention)
     groups: dict = {}
     for n in gm.graph.nodes:
