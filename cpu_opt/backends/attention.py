@@ -5,6 +5,9 @@ matrix materialised. ``bf16_matmul_softmax_attention`` is the same on bf16 input
 avx512_bf16 but no AMX, torch's flash kernel gains nothing from bf16 while two bf16 matmuls around
 a softmax are about 2.7x faster (batch 1, 12 heads, seq 512, dim 64; shared/KNOWN.md). Which of
 these or torch's flash kernel runs is the attention route (the table, or a measured profile).
+cpu_opt's fused kernels (one native call for all heads, q / k / v read where they lie, the output
+written in the layout the output projection reads): :func:`amx_attention` (AMX tiles) and
+:func:`dpbf16_attention` (AVX512_BF16) in bf16, :func:`f32_attention` (AVX-512 FMA) in float32.
 Same signature as ``aten.scaled_dot_product_attention`` (causal and additive/boolean masks).
 """
 from __future__ import annotations
