@@ -13,12 +13,16 @@ wrap the run in ``flock`` yourself). Results go to ``bench/results/hf[_int8|_bf1
 per CPU, so the tables of other machines stay. Models: BERT-base (seq 128, padding in the mask), GPT-2 (seq 128, no cache),
 ViT-B/16 (224²), ResNet-50 (224²), ConvNeXt-T (224²).
 
-int8 (``--impls`` with ``cpu_opt_int8,torchao_int8,dynamic_int8,openvino_int8``; ``python -m bench
-hf --int8`` picks them with eager and cpu_opt fp32): each is calibrated on the same 8 seeded inputs
+int8 (``python -m bench hf --int8``: ``INT8_IMPLS``, the int8 forms with eager and cpu_opt fp32; ``python
+-m bench quant`` runs it at batch 1 and 16 and the zoo's int8): each is calibrated on the same 8 seeded inputs
 (shaped like the example): ``cpu_opt.optimize(dtype="int8", calibration_data=...)``; torchao's
 pt2e flow (``X86InductorQuantizer``, static per-tensor activations, per-channel weights) lowered
-by ``torch.compile`` with freezing; torch's ``quantize_dynamic`` (Linear layers; FBGEMM); OpenVINO
-with NNCF's ``nncf.quantize`` (when nncf is installed). int8 cosines are against eager fp32.
+by ``torch.compile`` with freezing; torch.ao's FX flow (``prepare_fx``/``convert_fx``, x86 engine);
+torch's ``quantize_dynamic`` (Linear layers; FBGEMM); OpenVINO
+with NNCF's ``nncf.quantize`` (when nncf is installed); ONNX Runtime's ``quantize_dynamic`` and
+``quantize_static`` (QDQ, U8S8 per-channel) on the model exported by torch's TorchScript exporter. int8
+cosines are against eager fp32. ONNX Runtime fp32 is ``--impls onnxruntime`` (not in the default set).
+The runtimes compared against: ``pip install 'cpu_opt[compare]'`` and ``pip install torchao --no-deps``.
 
 bf16 (``python -m bench hf --bf16``, for CPUs with native bf16 math; results in hf_bf16_<cpu>.json):
 eager fp32 as the baseline, eager and torch.compile (freezing) under ``torch.autocast("cpu",
@@ -37,27 +41,17 @@ import time
 
 MODELS = ("bert", "gpt2", "vit", "resnet50", "convnext")
 IMPLS = ("eager", "compile", "cpu_opt", "openvino")
-INT8_IMPLS = ("eager", "cpu_opt", "cpu_opt_int8", "torchao_int8", "dynamic_int8", "openvino_int8")
+INT8_IMPLS = ("eager", "cpu_opt", "cpu_opt_int8", "torchao_int8", "fx_int8", "dynamic_int8", "openvino_int8",
+              "ort_dynamic_int8", "ort_static_int8")
+OPTIONAL_IMPLS = ("onnxruntime",)   # ONNX Runtime fp32: asked for by name (--impls)
 BF16_IMPLS = ("eager", "eager_bf16", "compile_bf16", "cpu_opt_bf16", "openvino_bf16")
 
 
 def calibration_inputs(name: str, inputs: dict, n: int = 8) -> list[dict]:
     """``n`` seeded inputs shaped like the example (token ids drawn again, the mask kept)."""
-    import torch
+    from bench.runner import calibration_batches
 
-    g = torch.Generator().manual_seed(1234)
-    out = []
-    for _ in range(n):
-        item = {}
-        for k, v in inputs.items():
-            if k == "input_ids":
-                item[k] = torch.randint(0, int(v.max()) + 1, v.shape, generator=g)
-            elif v.is_floating_point():
-                item[k] = torch.randn(v.shape, generator=g)
-            else:
-                item[k] = v.clone()
-        out.append(item)
-    return out
+    return calibration_batches(inputs, n)
 
 
 def _torchao_int8(model, inputs, calib):
@@ -81,25 +75,50 @@ def _torchao_int8(model, inputs, calib):
     return lambda: c(**inputs)
 
 
+def _positional(model, names):
+    """``model`` taking its inputs positionally (``names`` order) and returning its main output tensor:
+    what exporters and OpenVINO's converter trace (users adapt Hugging Face models the same way)."""
+    import torch
+
+    class Positional(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, *args):
+            return _main_tensor(self.m(**dict(zip(names, args))))
+
+    return Positional(model).eval()
+
+
+def _fx_int8(model, inputs, calib):
+    """torch.ao's FX graph-mode static int8 (``prepare_fx`` / ``convert_fx``, the "x86" engine and its
+    default qconfig mapping): deprecated in PyTorch, still what many scripts use. Its symbolic tracer
+    refuses models with data-dependent Python control flow (an error row then)."""
+    import torch
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    torch.backends.quantized.engine = "x86"
+    names = list(inputs)
+    args = tuple(inputs[k] for k in names)
+    prepared = prepare_fx(_positional(model, names), get_default_qconfig_mapping("x86"), args)
+    with torch.no_grad():
+        for item in calib:
+            prepared(*(item[k] for k in names))
+    q = convert_fx(prepared)
+    return lambda: q(*args)
+
+
 def _openvino_int8(model, inputs, calib):
     import nncf
     import openvino as ov
     import torch
 
     names = list(inputs)
-
-    class _Positional(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, *args):
-            out = self.m(**dict(zip(names, args)))
-            return _main_tensor(out)
-
     args = tuple(inputs[k] for k in names)
     with torch.no_grad():
-        ovm = ov.convert_model(_Positional(model).eval(), example_input=args)
+        ovm = ov.convert_model(_positional(model, names), example_input=args)
     ds = nncf.Dataset([tuple(item[k].numpy() for k in names) for item in calib])
     qm = nncf.quantize(ovm, ds, subset_size=len(calib),
                        model_type=nncf.ModelType.TRANSFORMER if "input_ids" in inputs else None)
@@ -109,6 +128,54 @@ def _openvino_int8(model, inputs, calib):
 
     def run():
         return torch.from_numpy(compiled(feed)[0])
+    return run
+
+
+def _onnxruntime(model, inputs, calib, mode: str):
+    """ONNX Runtime (``pip install onnx onnxruntime``) on the model exported with torch's TorchScript
+    exporter (opset 17; shared/KNOWN.md): ``mode`` "fp32"; "dynamic" (``quantize_dynamic``: int8
+    weights, activations quantized per call, MatMulIntegerToFloat on BERT); "static"
+    (``quantize_static``, QDQ, uint8 activations calibrated on ``calib`` x int8 per-channel weights,
+    the U8S8 form ORT recommends for x86; its S8S8 per-tensor default is no faster than fp32 there)."""
+    import tempfile
+
+    import onnxruntime as ort
+    import torch
+    from onnxruntime import quantization as oq
+
+    names = list(inputs)
+    tmp = tempfile.mkdtemp(prefix="cpu_opt_ort_")
+    path = os.path.join(tmp, "model.onnx")
+    with torch.no_grad():
+        torch.onnx.export(_positional(model, names), tuple(inputs[k] for k in names), path, input_names=names,
+                          output_names=["out"], dynamo=False, opset_version=17)
+    if mode == "dynamic":
+        qpath = os.path.join(tmp, "model_int8.onnx")
+        oq.quantize_dynamic(path, qpath, weight_type=oq.QuantType.QInt8)
+        path = qpath
+    elif mode == "static":
+        class Reader(oq.CalibrationDataReader):
+            def __init__(self):
+                self.items = iter([{k: item[k].numpy() for k in names} for item in calib])
+
+            def get_next(self):
+                return next(self.items, None)
+
+        qpath = os.path.join(tmp, "model_int8.onnx")
+        oq.quantize_static(path, qpath, Reader(), quant_format=oq.QuantFormat.QDQ, per_channel=True,
+                           activation_type=oq.QuantType.QUInt8, weight_type=oq.QuantType.QInt8)
+        path = qpath
+    elif mode != "fp32":
+        raise ValueError(f"ONNX Runtime mode {mode!r}: fp32, dynamic or static")
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = torch.get_num_threads()
+    so.inter_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    feed = {k: inputs[k].numpy() for k in names}
+
+    def run():
+        return torch.from_numpy(sess.run(None, feed)[0])
     return run
 
 
@@ -227,6 +294,12 @@ def worker(impl: str, name: str, repeats: int, quick: bool, batch: int = 1) -> d
         fn = lambda: qm(**inputs)  # noqa: E731
     elif impl == "openvino_int8":
         fn = _openvino_int8(model, inputs, calibration_inputs(name, inputs))
+    elif impl == "fx_int8":
+        fn = _fx_int8(model, inputs, calibration_inputs(name, inputs))
+    elif impl == "onnxruntime":
+        fn = _onnxruntime(model, inputs, None, "fp32")
+    elif impl in ("ort_dynamic_int8", "ort_static_int8"):
+        fn = _onnxruntime(model, inputs, calibration_inputs(name, inputs), impl.split("_")[1])
     else:
         raise ValueError(impl)
     with torch.no_grad():
@@ -251,7 +324,8 @@ def worker(impl: str, name: str, repeats: int, quick: bool, batch: int = 1) -> d
 def main(quick: bool = False, argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench hf")
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--impls", default=None, help=f"default {','.join(IMPLS)}; with --int8 {','.join(INT8_IMPLS)}")
+    ap.add_argument("--impls", default=None, help=f"default {','.join(IMPLS)}; with --int8 {','.join(INT8_IMPLS)}; "
+                                                  f"also {','.join(OPTIONAL_IMPLS)}")
     ap.add_argument("--int8", action="store_true", help="the int8 comparison (results in hf_int8_<cpu>.json)")
     ap.add_argument("--bf16", action="store_true", help="the bf16 comparison (results in hf_bf16_<cpu>.json; for CPUs "
                                                         "with native bf16: AVX512_BF16 or AMX)")
@@ -266,6 +340,10 @@ def main(quick: bool = False, argv=None) -> None:
         raise SystemExit("python -m bench hf: --int8 and --bf16 are two comparisons; run one at a time")
     kind = "int8" if args.int8 else "bf16" if args.bf16 else "fp32"
     impls = (args.impls or ",".join({"int8": INT8_IMPLS, "bf16": BF16_IMPLS, "fp32": IMPLS}[kind])).split(",")
+    unknown = sorted(set(i for i in impls if i) - set(IMPLS + INT8_IMPLS + BF16_IMPLS + OPTIONAL_IMPLS))
+    if unknown:
+        raise SystemExit(f"python -m bench hf: unknown implementation(s) {unknown}; choose from "
+                         f"{sorted(set(IMPLS + INT8_IMPLS + BF16_IMPLS + OPTIONAL_IMPLS))}")
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker[0], args.worker[1], args.repeats, quick, args.batch)), flush=True)
         return

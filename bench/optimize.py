@@ -44,7 +44,7 @@ from bench.runner import RESULTS_DIR, Report, bar_chart, gemm_peak_gflops, machi
 from cpu_opt.models import ZOO, ModelSpec
 
 IMPLS = ("eager_fp32", "eager_bf16", "compile_fp32", "compile_bf16", "cpu_opt_fp32", "cpu_opt_bf16",
-         "openvino_fp32", "openvino_bf16")
+         "openvino_fp32", "openvino_bf16", "cpu_opt_int8")
 
 
 def _dtype(impl: str) -> str:
@@ -87,12 +87,16 @@ def _error(e: BaseException) -> str:
 # ----------------------------------------------------------------------------- the adapters
 
 def cpu_opt_optimize(model: torch.nn.Module, example_inputs, dtype: str) -> Callable:
-    """Call cpu_opt.optimize the way users do. Raises when it does not exist yet."""
+    """Call cpu_opt.optimize the way users do (int8: calibrated on 8 seeded batches shaped like the
+    example, ``runner.calibration_batches``). Raises when it does not exist yet."""
     import cpu_opt
+    from bench.runner import calibration_batches
 
     optimize = getattr(cpu_opt, "optimize", None)
     if optimize is None:
         raise NotImplementedError("cpu_opt.optimize does not exist (yet)")
+    if dtype == "int8":
+        return optimize(model, example_inputs, dtype="int8", calibration_data=calibration_batches(example_inputs))
     return optimize(model, example_inputs, dtype=dtype)
 
 

@@ -159,6 +159,26 @@ def machine_peaks(dtypes=("fp32", "bf16"), gemm_n: int = 2048) -> dict:
 
 # ----------------------------------------------------------------------------- reporting
 
+def calibration_batches(inputs, n: int = 8, seed: int = 1234) -> list:
+    """``n`` seeded batches shaped like ``inputs`` (a dict or a tuple of tensors), for int8 calibration:
+    token ids (integer tensors named ``input_ids``) drawn again below the example's largest id, float
+    tensors drawn again from a normal distribution, everything else (masks) kept."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(key, v):
+        if key == "input_ids":
+            return torch.randint(0, int(v.max()) + 1, v.shape, generator=g)
+        if torch.is_tensor(v) and v.is_floating_point():
+            return torch.randn(v.shape, generator=g, dtype=v.dtype)
+        return v.clone() if torch.is_tensor(v) else v
+
+    if isinstance(inputs, dict):
+        return [{k: draw(k, v) for k, v in inputs.items()} for _ in range(n)]
+    return [tuple(draw(None, v) for v in inputs) for _ in range(n)]
+
+
 class Report:
     """Rows of results plus the environment they were measured in."""
 
