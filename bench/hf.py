@@ -154,6 +154,14 @@ def _onnxruntime(model, inputs, calib, mode: str):
         oq.quantize_dynamic(path, qpath, weight_type=oq.QuantType.QInt8)
         path = qpath
     elif mode == "static":
+        # ONNX Runtime's documented first step: its graph optimizations (BatchNorm folded into the
+        # convolutions, shapes inferred) before the QDQ pairs go in
+        from onnxruntime.quantization.shape_inference import quant_pre_process
+
+        pre = os.path.join(tmp, "model_pre.onnx")
+        quant_pre_process(path, pre)
+        path = pre
+
         class Reader(oq.CalibrationDataReader):
             def __init__(self):
                 self.items = iter([{k: item[k].numpy() for k in names} for item in calib])
