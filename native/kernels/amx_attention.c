@@ -43,6 +43,13 @@ static int co_amx_permission(void) {
 }
 #define CO_AMX_KEYS_MAX 16384
 #define CO_AMX_DIM_MAX 512
+/* the arguments every fused attention kernel shares, unused outside the avx512 variant */
+#define CO_ATTENTION_UNUSED()                                                                                      \
+    do {                                                                                                           \
+        (void)q; (void)q_len; (void)qs; (void)k; (void)k_len; (void)ks; (void)v; (void)v_len; (void)vs; (void)B;  \
+        (void)H; (void)nq; (void)nk; (void)d; (void)dv; (void)scale; (void)mask; (void)mask_len; (void)ms;       \
+        (void)out; (void)out_len; (void)os; (void)nthreads;                                                      \
+    } while (0)
 #endif
 
 static inline int64_t KFN(co_round_up)(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -85,7 +92,8 @@ static inline __m256i KFN(co_to_bf16x16)(__m512 f) {
 /* one row: s (keys_p floats, the first `keys` real) -> p = bf16(exp(scale s + m - max)) (keys_p
  * values, padded keys 0); returns 1 / sum of the exponentials (the output row is scaled by it after
  * p @ v, as a flash kernel does), 0 for a row whose every entry is -inf (or NaN): p is then 0 */
-static float KFN(co_amx_softmax_row)(float *s, int64_t keys, int64_t keys_p, float scale, const float *m, uint16_t *p) {
+/* s[0..keys) -> scale s + m in place (m NULL: no mask); returns their maximum */
+static float KFN(co_scale_mask_max)(float *s, int64_t keys, float scale, const float *m) {
     const int64_t kv = keys / 16 * 16;
     __m512 sv = _mm512_set1_ps(scale), mxv = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < kv; j += 16) {
@@ -101,6 +109,12 @@ static float KFN(co_amx_softmax_row)(float *s, int64_t keys, int64_t keys_p, flo
         s[j] = x;
         mx = x > mx ? x : mx;
     }
+    return mx;
+}
+
+static float KFN(co_amx_softmax_row)(float *s, int64_t keys, int64_t keys_p, float scale, const float *m, uint16_t *p) {
+    const int64_t kv = keys / 16 * 16;
+    const float mx = KFN(co_scale_mask_max)(s, keys, scale, m);
     if (mx == -INFINITY || mx != mx) {
         memset(p, 0, (size_t)keys_p * sizeof(uint16_t));
         return 0.f;
@@ -324,6 +338,19 @@ static int64_t KFN(co_attention_check)(const void *q, int64_t q_len, const int64
 /* inside an omp parallel region: this thread's contiguous share [lo, hi) of `tasks` (no worksharing
  * construct: a thread whose buffer could not be allocated just reports it) and, when it has one, its
  * buffer of `bytes` (a multiple of 64), 64-byte aligned (NULL when it has no share or malloc failed) */
+/* offs[i] = where buffer i of n (sizes[i] bytes) starts, each 64-byte aligned; offs[n] = the total */
+static void KFN(co_buffer_offsets)(const size_t *sizes, int n, size_t *offs) {
+    offs[0] = 0;
+    for (int i = 0; i < n; i++)
+        offs[i + 1] = offs[i] + (sizes[i] + 63) / 64 * 64;
+}
+
+/* the first `rows` rows of a 32-float-wide block buffer, w <= 32 floats of each, to out (row stride os) */
+static inline void KFN(co_copy_block_rows)(float *out, int64_t os, const float *ob, int64_t rows, int64_t w) {
+    for (int64_t r = 0; r < rows && w > 0; r++)
+        memcpy(out + r * os, ob + r * 32, (size_t)w * sizeof(float));
+}
+
 static char *KFN(co_thread_share)(int64_t tasks, size_t bytes, int64_t *lo, int64_t *hi) {
     int tid = 0, T = 1;
 #ifdef _OPENMP
@@ -342,9 +369,7 @@ int64_t KFN(amx_attention_bf16)(const uint16_t *q, int64_t q_len, const int64_t 
                                 const float *mask, int64_t mask_len, const int64_t *ms, float *out, int64_t out_len,
                                 const int64_t *os, int nthreads) {
 #if !defined(CO_VARIANT_AVX512)
-    (void)q; (void)q_len; (void)qs; (void)k; (void)k_len; (void)ks; (void)v; (void)v_len; (void)vs; (void)B;
-    (void)H; (void)nq; (void)nk; (void)d; (void)dv; (void)scale; (void)mask; (void)mask_len; (void)ms;
-    (void)out; (void)out_len; (void)os; (void)nthreads;
+    CO_ATTENTION_UNUSED();
     return CO_ERR_UNSUPPORTED_AMX;
 #else
     int64_t status = KFN(co_attention_check)(q, q_len, qs, k, k_len, ks, v, v_len, vs, B, H, H, nq, nk, d, dv, scale,

@@ -92,9 +92,7 @@ static void KFN(co_dp_head)(const uint16_t *q, int64_t qs, int64_t nq, int64_t n
                 KFN(co_dp_block)(pb, nk_p, (const uint32_t *)vp + c0, dv_p, n_hi / 2, out + i0 * os + c0, os, inv);
             } else {
                 KFN(co_dp_block)(pb, nk_p, (const uint32_t *)vp + c0, dv_p, n_hi / 2, ob, 32, inv);
-                const int64_t w = dv - c0 < 32 ? dv - c0 : 32;
-                for (int64_t r = 0; r < rows && w > 0; r++)
-                    memcpy(out + (i0 + r) * os + c0, ob + r * 32, (size_t)w * sizeof(float));
+                KFN(co_copy_block_rows)(out + i0 * os + c0, os, ob, rows, dv - c0 < 32 ? dv - c0 : 32);
             }
         }
     }
@@ -107,9 +105,9 @@ int64_t KFN(dpbf16_attention)(const uint16_t *q, int64_t q_len, const int64_t *q
                               int causal, const float *mask, int64_t mask_len, const int64_t *ms, float *out,
                               int64_t out_len, const int64_t *os, int nthreads) {
 #if !defined(CO_VARIANT_AVX512)
-    (void)q; (void)q_len; (void)qs; (void)k; (void)k_len; (void)ks; (void)v; (void)v_len; (void)vs; (void)B;
-    (void)H; (void)Hk; (void)nq; (void)nk; (void)d; (void)dv; (void)scale; (void)causal; (void)mask;
-    (void)mask_len; (void)ms; (void)out; (void)out_len; (void)os; (void)nthreads;
+    CO_ATTENTION_UNUSED();
+    (void)Hk;
+    (void)causal;
     return CO_ERR_UNSUPPORTED_AMX;
 #else
     int64_t status = KFN(co_attention_check)(q, q_len, qs, k, k_len, ks, v, v_len, vs, B, H, Hk, nq, nk, d, dv,
@@ -122,9 +120,8 @@ int64_t KFN(dpbf16_attention)(const uint16_t *q, int64_t q_len, const int64_t *q
     /* per thread: kp, vp, qb, sb, pb, ob, each 64-byte aligned */
     const size_t sizes[6] = {(size_t)(d_p / 2) * nk_p * 4, (size_t)nk_p * dv_p * 2, (size_t)CO_DP_MR * d_p * 2,
                              (size_t)CO_DP_MR * nk_p * 4, (size_t)CO_DP_MR * nk_p * 2, (size_t)CO_DP_MR * 32 * 4};
-    size_t offs[7] = {0};
-    for (int i = 0; i < 6; i++)
-        offs[i + 1] = offs[i] + (sizes[i] + 63) / 64 * 64;
+    size_t offs[7];
+    KFN(co_buffer_offsets)(sizes, 6, offs);
     const int64_t tasks = B * H;
     int nt = tasks < nthreads ? (int)tasks : nthreads;
     int failed = 0;

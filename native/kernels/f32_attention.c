@@ -54,20 +54,7 @@ static inline void KFN(co_f32_block)(const float *a, int64_t lda, const float *b
  * of the exponentials, 0 for a row whose every entry is -inf (or NaN): the row is then all zeros */
 static float KFN(co_f32_softmax_row)(float *s, int64_t keys, int64_t width, float scale, const float *m) {
     const int64_t kv = keys / 16 * 16;
-    __m512 sv = _mm512_set1_ps(scale), mxv = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < kv; j += 16) {
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), sv);
-        if (m)
-            x = _mm512_add_ps(x, _mm512_loadu_ps(m + j));
-        _mm512_storeu_ps(s + j, x);
-        mxv = _mm512_max_ps(mxv, x);
-    }
-    float mx = _mm512_reduce_max_ps(mxv);
-    for (int64_t j = kv; j < keys; j++) {
-        float x = s[j] * scale + (m ? m[j] : 0.f);
-        s[j] = x;
-        mx = x > mx ? x : mx;
-    }
+    const float mx = KFN(co_scale_mask_max)(s, keys, scale, m);
     if (mx == -INFINITY || mx != mx) {
         memset(s, 0, (size_t)width * sizeof(float));
         return 0.f;
@@ -143,9 +130,7 @@ static void KFN(co_f32_head)(const float *q, int64_t qs, int64_t nq, int64_t nk,
                 KFN(co_f32_block)(sb, nk_p, vb + c0, vbs, seen, out + i0 * os + c0, os, inv);
             } else {
                 KFN(co_f32_block)(sb, nk_p, vb + c0, vbs, seen, ob, 32, inv);
-                const int64_t w = dv - c0 < 32 ? dv - c0 : 32;
-                for (int64_t r = 0; r < rows && w > 0; r++)
-                    memcpy(out + (i0 + r) * os + c0, ob + r * 32, (size_t)w * sizeof(float));
+                KFN(co_copy_block_rows)(out + i0 * os + c0, os, ob, rows, dv - c0 < 32 ? dv - c0 : 32);
             }
         }
     }
@@ -158,9 +143,9 @@ int64_t KFN(f32_attention)(const float *q, int64_t q_len, const int64_t *qs, con
                            int causal, const float *mask, int64_t mask_len, const int64_t *ms, float *out,
                            int64_t out_len, const int64_t *os, int nthreads) {
 #if !defined(CO_VARIANT_AVX512)
-    (void)q; (void)q_len; (void)qs; (void)k; (void)k_len; (void)ks; (void)v; (void)v_len; (void)vs; (void)B;
-    (void)H; (void)Hk; (void)nq; (void)nk; (void)d; (void)dv; (void)scale; (void)causal; (void)mask;
-    (void)mask_len; (void)ms; (void)out; (void)out_len; (void)os; (void)nthreads;
+    CO_ATTENTION_UNUSED();
+    (void)Hk;
+    (void)causal;
     return CO_ERR_UNSUPPORTED_AMX;
 #else
     int64_t status = KFN(co_attention_check)(q, q_len, qs, k, k_len, ks, v, v_len, vs, B, H, Hk, nq, nk, d, dv,
@@ -172,9 +157,8 @@ int64_t KFN(f32_attention)(const float *q, int64_t q_len, const int64_t *qs, con
     /* per thread: kp, vp (unless v is read in place), qb, sb, ob, each 64-byte aligned */
     const size_t sizes[5] = {(size_t)d * nk_p * 4, v_in_place ? 0 : (size_t)nk * dv_p * 4,
                              (size_t)CO_F32_MR * d * 4, (size_t)CO_F32_MR * nk_p * 4, (size_t)CO_F32_MR * 32 * 4};
-    size_t offs[6] = {0};
-    for (int i = 0; i < 5; i++)
-        offs[i + 1] = offs[i] + (sizes[i] + 63) / 64 * 64;
+    size_t offs[6];
+    KFN(co_buffer_offsets)(sizes, 5, offs);
     const int64_t tasks = B * H;
     int nt = tasks < nthreads ? (int)tasks : nthreads;
     int failed = 0;

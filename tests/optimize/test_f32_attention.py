@@ -160,22 +160,10 @@ def test_f32_attention_runs_in_float32_hf_models(name, monkeypatch):
     counted (BERT's padding mask, GPT-2's causal mask, ViT's unmasked attention) and the outputs stay
     within 1e-4 relative of eager at two shapes; elsewhere the graph holds no call of it."""
     pytest.importorskip("transformers")
+    from optimize_testutil import count_fused_attention_calls
     from test_hf_models import CASES, SHAPES, _at_two_shapes, _max_rel
 
-    calls = []
-    real = battn._f32_kernel
-
-    def counting():
-        fn = real()
-        if fn is None:
-            return None
-
-        def wrapped(*a):
-            calls.append(a[9:12])   # B, H, kv heads
-            return fn(*a)
-        return wrapped
-
-    monkeypatch.setattr(battn, "_f32_kernel", counting)
+    calls = count_fused_attention_calls(monkeypatch, "_f32_kernel")
     make, inputs = CASES[name]
     torch.manual_seed(0)
     model = make().eval()

@@ -9,7 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import cpu_opt
-from optimize_testutil import onednn_graph_used
+from optimize_testutil import count_fused_attention_calls, onednn_graph_used
 
 T = pytest.importorskip("transformers")  # the [test] extra; installed by `make test`
 warnings.filterwarnings("ignore", module="transformers")
@@ -164,20 +164,7 @@ def test_bf16_attention_runs_the_routed_kernel(name, monkeypatch):
     from cpu_opt.backends import attention as battn
     from cpu_opt.platform import routing
 
-    calls = []
-    real = battn._dpbf16_kernel
-
-    def counting():
-        fn = real()
-        if fn is None:
-            return None
-
-        def wrapped(*a):
-            calls.append(a[9:12])   # B, H, kv heads
-            return fn(*a)
-        return wrapped
-
-    monkeypatch.setattr(battn, "_dpbf16_kernel", counting)
+    calls = count_fused_attention_calls(monkeypatch, "_dpbf16_kernel")
     make, inputs = CASES[name]
     torch.manual_seed(0)
     model = make().eval()
