@@ -41,6 +41,20 @@ def test_amx_takes_flash_attention():
     assert routing.route("gemm", "bf16", spr).backend == "onednn"
 
 
+@pytest.mark.parametrize("name,cap,want", [("amd_zen5", None, "f32_fused"), ("intel_sapphirerapids", None, "f32_fused"),
+                                           ("intel_icelake", None, "f32_fused"), ("amd_zen5", "avx2", "torch_flash"),
+                                           ("amd_zen3", None, "torch_flash")])
+def test_fp32_attention_takes_the_fused_kernel_where_the_avx512_variant_runs(name, cap, want):
+    """The float32 attention route: cpu_opt's fused kernel on every CPU that runs the native avx512
+    variant (AVX-512 F/BW/VL/DQ; measured against torch's flash kernel on a Zen 4 only: the rule says
+    so), torch's flash kernel elsewhere, under a cap too."""
+    from cpu_opt import native
+
+    c = info(name, cap=cap)
+    assert routing.route("attention", "fp32", c).backend == want
+    assert (native.select_variant(c) == "avx512") == (want == "f32_fused")
+
+
 def test_zen3_has_no_bf16_onednn():
     z3 = info("amd_zen3")
     assert routing.route("gemm", "bf16", z3).backend == "torch"

@@ -137,7 +137,8 @@ def _fused_attention(fn, q, k, v, attn_mask, dropout_p, is_causal, scale, enable
     if fn is None or dropout_p or (is_causal and not (extended and attn_mask is None)) or not groups or \
             v.dim() != 4 or k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or q.shape[3] != k.shape[3] or \
             q.dtype not in floats or k.dtype not in floats or v.dtype not in floats or q.device.type != "cpu" or \
-            k.device.type != "cpu" or v.device.type != "cpu" or k.shape[2] > 16384 or q.shape[3] > 512 or v.shape[3] > 512:
+            k.device.type != "cpu" or v.device.type != "cpu" or k.shape[2] > 16384 or q.shape[3] > 512 or v.shape[3] > 512 \
+            or k.shape[2] == 0 or q.shape[3] == 0:   # no keys / an empty head: torch's answer (the kernels refuse)
         return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if type(q) is not torch.Tensor and _is_fake(q):   # shape propagation: the same shape, dtype and layout
         return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -32,6 +32,31 @@ VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, 
 ATTENTION_OPS = {aten.scaled_dot_product_attention.default}
 
 
+def _attention_taken(n: torch.fx.Node, dtype: str) -> "routing.Route | None":
+    """The attention route node ``n`` really takes (None: not an attention op): the kernel its target
+    names (``passes.route_attention`` put cpu_opt's kernels there), torch's SDPA for an aten node the
+    route left alone (dropout, or a route that is torch's kernel). Its reason is the table's or the
+    profile's where that route is the one ``dtype`` (or an int8 graph's attention) has."""
+    if n.op != "call_function":
+        return None
+    from ..backends import attention as battn
+
+    backend = {battn.f32_attention: "f32_fused", battn.dpbf16_attention: "dpbf16",
+               battn.dpbf16_attention_bf16: "dpbf16", battn.amx_attention: "amx_bf16",
+               battn.bf16_flash_attention: "torch_flash", battn.matmul_softmax_attention: "matmul_softmax",
+               battn.bf16_matmul_softmax_attention: "bf16_matmul_softmax"}.get(n.target)
+    if backend is None:
+        if n.target not in ATTENTION_OPS:
+            return None
+        backend = "torch_flash"
+    for dt in dict.fromkeys((dtype, "int8")):
+        r = routing.route("attention", dt)
+        if r.backend == backend:
+            return r
+    return routing.Route("attention", dtype, backend, "torch's SDPA: what the routed kernel does not take (dropout)"
+                         if backend == "torch_flash" else f"cpu_opt's {backend} attention")
+
+
 class LoweringError(Exception):
     """A node cannot be lowered (the reason becomes the fallback reason)."""
 
@@ -424,13 +449,14 @@ def lower(gm: torch.fx.GraphModule, dtype: str, exclude: dict | None = None) -> 
                 reason = f"not lowered: {e}"
             except Exception as e:  # noqa: BLE001 - oneDNN refused the op: run it in torch
                 reason = f"oneDNN rejected it: {e}"
+        taken = _attention_taken(n, dtype)
         if n.target in VIEW_OPS:
             views.append(n)
-        elif n.target in ATTENTION_OPS:
-            attention.append((n, routes["attention"]))
+        elif taken is not None:
+            attention.append((n, taken))
         elif reason is None:
             reason = f"no oneDNN Graph mapping for {_target_name(n)}"
-        if reason is not None and n.target not in VIEW_OPS and n.target not in ATTENTION_OPS:
+        if reason is not None and n.target not in VIEW_OPS and taken is None:
             fallbacks[n] = reason
         _wildcard(ctx, n)
     parts = []

@@ -89,9 +89,6 @@ static inline __m256i KFN(co_to_bf16x16)(__m512 f) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
 }
 
-/* one row: s (keys_p floats, the first `keys` real) -> p = bf16(exp(scale s + m - max)) (keys_p
- * values, padded keys 0); returns 1 / sum of the exponentials (the output row is scaled by it after
- * p @ v, as a flash kernel does), 0 for a row whose every entry is -inf (or NaN): p is then 0 */
 /* s[0..keys) -> scale s + m in place (m NULL: no mask); returns their maximum */
 static float KFN(co_scale_mask_max)(float *s, int64_t keys, float scale, const float *m) {
     const int64_t kv = keys / 16 * 16;
@@ -112,6 +109,9 @@ static float KFN(co_scale_mask_max)(float *s, int64_t keys, float scale, const f
     return mx;
 }
 
+/* one row: s (keys_p floats, the first `keys` real) -> p = bf16(exp(scale s + m - max)) (keys_p
+ * values, padded keys 0); returns 1 / sum of the exponentials (the output row is scaled by it after
+ * p @ v, as a flash kernel does), 0 for a row whose every entry is -inf (or NaN): p is then 0 */
 static float KFN(co_amx_softmax_row)(float *s, int64_t keys, int64_t keys_p, float scale, const float *m, uint16_t *p) {
     const int64_t kv = keys / 16 * 16;
     const float mx = KFN(co_scale_mask_max)(s, keys, scale, m);
@@ -335,9 +335,6 @@ static int64_t KFN(co_attention_check)(const void *q, int64_t q_len, const int64
 #endif
 
 #if defined(CO_VARIANT_AVX512)
-/* inside an omp parallel region: this thread's contiguous share [lo, hi) of `tasks` (no worksharing
- * construct: a thread whose buffer could not be allocated just reports it) and, when it has one, its
- * buffer of `bytes` (a multiple of 64), 64-byte aligned (NULL when it has no share or malloc failed) */
 /* offs[i] = where buffer i of n (sizes[i] bytes) starts, each 64-byte aligned; offs[n] = the total */
 static void KFN(co_buffer_offsets)(const size_t *sizes, int n, size_t *offs) {
     offs[0] = 0;
@@ -351,6 +348,9 @@ static inline void KFN(co_copy_block_rows)(float *out, int64_t os, const float *
         memcpy(out + r * os, ob + r * 32, (size_t)w * sizeof(float));
 }
 
+/* inside an omp parallel region: this thread's contiguous share [lo, hi) of `tasks` (no worksharing
+ * construct: a thread whose buffer could not be allocated just reports it) and, when it has one, its
+ * buffer of `bytes` (a multiple of 64), 64-byte aligned (NULL when it has no share or malloc failed) */
 static char *KFN(co_thread_share)(int64_t tasks, size_t bytes, int64_t *lo, int64_t *hi) {
     int tid = 0, T = 1;
 #ifdef _OPENMP

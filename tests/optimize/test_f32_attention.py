@@ -49,27 +49,30 @@ def _rel(out, ref):
 
 
 def _qkv(B, H, Sq, Sk, D, Dv, seed, Hk=None):
-    """q and k as the strided head views of a fused projection's output (BERT's layout), v dense."""
+    """q as the strided head view of a fused projection's output (BERT's layout), k and v as head
+    views of (batch, seq, heads, dim) tensors (row strides Hk * D and Hk * Dv), v's rows padded
+    further (row stride Hk * Dv + 8) so that no kernel can take its width for its row stride."""
     g = torch.Generator().manual_seed(seed)
     Hk = Hk or H
     fused = torch.randn(B, Sq, H * D + 8, generator=g)
     q = fused[..., 8:].view(B, Sq, H, D).transpose(1, 2)
     k = torch.randn(B, Sk, Hk, D, generator=g).transpose(1, 2)
-    v = torch.randn(B, Hk, Sk, Dv, generator=g)
+    v = torch.randn(B, Sk, Hk * Dv + 8, generator=g)[..., :Hk * Dv].view(B, Sk, Hk, Dv).transpose(1, 2)
     return q, k, v
 
 
 @pytest.mark.parametrize("B,H,Sq,Sk,D,Dv", [(1, 12, 128, 128, 64, 64), (1, 12, 197, 197, 64, 64), (2, 3, 37, 37, 64, 64),
                                             (1, 2, 5, 70, 40, 24), (3, 4, 16, 16, 128, 128), (1, 1, 1, 1, 64, 64),
                                             (2, 2, 33, 129, 7, 80)])
-@pytest.mark.parametrize("mask_kind", ["none", "padding", "full", "bool"])
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "full", "bool", "per_head"])
 def test_f32_attention_matches_the_float64_reference(B, H, Sq, Sk, D, Dv, mask_kind, sdpa_calls):
     q, k, v = _qkv(B, H, Sq, Sk, D, Dv, seed=B * 100 + Sq + Sk)
     g = torch.Generator().manual_seed(7)
     mask = {"none": None,
             "padding": torch.zeros(B, 1, 1, Sk).masked_fill(torch.arange(Sk) >= max(1, Sk - 3), float("-inf")),
             "full": torch.randn(B, 1, Sq, Sk, generator=g),
-            "bool": torch.rand(B, 1, Sq, Sk, generator=g) > 0.3}[mask_kind]
+            "bool": torch.rand(B, 1, Sq, Sk, generator=g) > 0.3,
+            "per_head": torch.randn(B, H, Sq, Sk, generator=g)}[mask_kind]
     if mask_kind == "bool":
         mask[..., 0] = True   # no row entirely masked
     out = battn.f32_attention(q, k, v, mask)
@@ -87,7 +90,7 @@ def test_f32_attention_matches_the_float64_reference(B, H, Sq, Sk, D, Dv, mask_k
 
 
 @pytest.mark.parametrize("Sq,Sk,H,Hk", [(37, 37, 4, 4), (5, 70, 4, 2), (128, 128, 12, 12), (24, 24, 8, 2), (1, 9, 2, 1),
-                                        (200, 200, 2, 1)])
+                                        (200, 200, 2, 1), (40, 9, 2, 2)])
 def test_f32_attention_takes_causal_and_grouped_heads(Sq, Sk, H, Hk, sdpa_calls):
     q, k, v = _qkv(2, H, Sq, Sk, 64, 64, seed=Sq * 7 + Hk, Hk=Hk)
     for is_causal in (True, False):
@@ -114,6 +117,9 @@ def test_f32_attention_fully_masked_rows_are_zero_and_the_rest_goes_to_torch(sdp
     assert bf.dtype == torch.bfloat16
     battn.f32_attention(q, k, v, dropout_p=0.5)
     assert len(sdpa_calls) == n + 4
+    # no keys, or an empty head: torch's answers, not an error
+    for a, b, c in ((q, k[:, :, :0], v[:, :, :0]), (q[..., :0], k[..., :0], v)):
+        assert torch.equal(battn.f32_attention(a, b, c), F.scaled_dot_product_attention(a, b, c))
 
 
 def test_f32_attention_kernel_checks_every_operand_bound():
@@ -133,8 +139,10 @@ def test_f32_attention_kernel_checks_every_operand_bound():
                   p(mask), m_len, st + 12, p(out), out_len, st + 9, 2)
 
     assert call() == 0
+    out.fill_(7.0)
     for bad in ({"q_len": 2047}, {"k_len": 100}, {"v_len": 0}, {"out_len": 2000}, {"m_len": 255}):
         assert call(**bad) == -1, bad    # CO_ERR_INDEX_OUT_OF_RANGE, nothing read or written
+    assert torch.all(out == 7.0)
     assert call(nk=16385) == -2          # more keys than the kernel takes
     assert call(hk=0) == -2 and call(hk=3) == -2   # kv heads that do not divide the query heads
     assert call(scale=float("nan")) == -2
