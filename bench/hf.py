@@ -76,25 +76,30 @@ def _torchao_int8(model, inputs, calib):
 
 
 def _positional(model, names):
-    """``model`` taking its inputs positionally (``names`` order) and returning its main output tensor:
-    what exporters and OpenVINO's converter trace (users adapt Hugging Face models the same way)."""
+    """``model`` taking its inputs positionally (``names`` order, one named parameter each: tracers such
+    as torch.fx's cannot iterate a ``*args``) and returning its main output tensor: what exporters and
+    OpenVINO's converter trace (users adapt Hugging Face models the same way)."""
     import torch
+
+    if not all(n.isidentifier() for n in names):
+        raise ValueError(f"input names must be identifiers: {names}")
+    ns: dict = {}
+    exec(f"def forward(self, {', '.join(names)}):\n"   # noqa: S102 - a signature built from the input names
+         f"    return _main_tensor(self.m({', '.join(f'{n}={n}' for n in names)}))", {"_main_tensor": _main_tensor}, ns)
 
     class Positional(torch.nn.Module):
         def __init__(self, m):
             super().__init__()
             self.m = m
 
-        def forward(self, *args):
-            return _main_tensor(self.m(**dict(zip(names, args))))
-
+    Positional.forward = ns["forward"]
     return Positional(model).eval()
 
 
 def _fx_int8(model, inputs, calib):
     """torch.ao's FX graph-mode static int8 (``prepare_fx`` / ``convert_fx``, the "x86" engine and its
     default qconfig mapping): deprecated in PyTorch, still what many scripts use. Its symbolic tracer
-    refuses models with data-dependent Python control flow (an error row then)."""
+    refuses models whose Python code it cannot trace (an error row then, with the tracer's reason)."""
     import torch
     from torch.ao.quantization import get_default_qconfig_mapping
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
@@ -137,6 +142,7 @@ def _onnxruntime(model, inputs, calib, mode: str):
     weights, activations quantized per call, MatMulIntegerToFloat on BERT); "static"
     (``quantize_static``, QDQ, uint8 activations calibrated on ``calib`` x int8 per-channel weights,
     the U8S8 form ORT recommends for x86; its S8S8 per-tensor default is no faster than fp32 there)."""
+    import shutil
     import tempfile
 
     import onnxruntime as ort
@@ -180,6 +186,7 @@ def _onnxruntime(model, inputs, calib, mode: str):
     so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    shutil.rmtree(tmp, ignore_errors=True)   # the session holds the model now
     feed = {k: inputs[k].numpy() for k in names}
 
     def run():

@@ -3,7 +3,8 @@
 1. Full-size Hugging Face BERT-base (seq 128, padding mask) and ResNet-50 (224²) against the int8
    runtimes users pick instead, each implementation in a process of its own, alternating rounds
    (``python -m bench hf --int8``): eager fp32, cpu_opt fp32 and int8, torchao pt2e + inductor
-   (freezing), torch's ``quantize_dynamic``, OpenVINO + NNCF, ONNX Runtime dynamic and static int8 —
+   (freezing), torch.ao's FX flow, torch's ``quantize_dynamic``, OpenVINO + NNCF, ONNX Runtime dynamic
+   and static int8 —
    at each ``--batches`` (default 1 and 16). Results: ``hf_int8[_b16]_<cpu>.json`` + ``.png``.
 2. The zoo (``python -m bench optimize``): eager fp32, cpu_opt fp32, cpu_opt bf16 where the CPU has
    native bf16 math, and cpu_opt int8 (calibrated on 8 seeded batches) — int8 must beat cpu_opt's own
@@ -31,7 +32,7 @@ def main(quick: bool = False, argv=None) -> None:
     ap.add_argument("--skip-hf", action="store_true", help="only the zoo part")
     ap.add_argument("--skip-zoo", action="store_true", help="only the Hugging Face part")
     ap.add_argument("--quick", action="store_true", help="small models, few repeats")
-    args = ap.parse_args(argv or [])
+    args, _ = ap.parse_known_args(argv or [])   # flags of other benchmarks (python -m bench) pass by
     quick = quick or args.quick
     batches = [int(b) for b in (args.batches or ("1" if quick else "1,16")).split(",") if b.strip()]
     if not batches or min(batches) < 1:
