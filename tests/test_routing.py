@@ -55,6 +55,24 @@ def test_fp32_attention_takes_the_fused_kernel_where_the_avx512_variant_runs(nam
     assert (native.select_variant(c) == "avx512") == (want == "f32_fused")
 
 
+def test_every_attention_route_names_a_kernel_or_leaves_torch_sdpa():
+    """Each attention backend the table (or calibrate, which times what the table of kernels names)
+    can choose is either in backends.attention.ROUTES for its dtype, or torch's SDPA left as it is
+    (torch_flash in fp32 / bf16): a route the rewriting pass did not know would silently run torch.
+    The report reads the same table backward."""
+    from cpu_opt.backends import attention as battn
+
+    for r in routing.RULES:
+        if r.work != "attention" or r.arch == "aarch64":
+            continue
+        assert (r.backend, r.dtype) in battn.ROUTES or (r.backend == "torch_flash" and r.dtype != "int8"), r
+    for (backend, dtype), (fn, _) in battn.ROUTES.items():
+        assert battn.route_of(fn) == backend
+    assert battn.routed("torch_flash", "fp32") is None            # the aten node stays
+    assert battn.routed("matmul_softmax", "fp32") is battn.matmul_softmax_attention
+    assert battn.routed("f32_fused", "bf16") is None              # no float32 kernel for a bf16 graph
+
+
 def test_zen3_has_no_bf16_onednn():
     z3 = info("amd_zen3")
     assert routing.route("gemm", "bf16", z3).backend == "torch"

@@ -220,6 +220,35 @@ def _f32_kernel():
     return _fused_kernel("f32_attention")
 
 
+# What each attention route runs: (route backend, the attention's dtype) -> (the function an SDPA node
+# is given, the probe that says its native kernel runs here; None: torch ops, it always runs). "int8" is
+# the float32 attention between the int8 layers of an int8 graph on a CPU with native bf16 math. Read
+# forward by ``passes.route_attention`` and ``calibrate`` (:func:`routed`), backward by the report
+# (:func:`route_of`). A route not named here (torch_flash for fp32 / bf16) leaves the aten node as it is.
+ROUTES = {
+    ("amx_bf16", "int8"): (amx_attention, _amx_kernel),
+    ("dpbf16", "int8"): (dpbf16_attention, _dpbf16_kernel),
+    ("torch_flash", "int8"): (bf16_flash_attention, None),
+    ("dpbf16", "bf16"): (dpbf16_attention_bf16, _dpbf16_kernel),
+    ("bf16_matmul_softmax", "bf16"): (bf16_matmul_softmax_attention, None),
+    ("matmul_softmax", "fp32"): (matmul_softmax_attention, None),
+    ("f32_fused", "fp32"): (f32_attention, _f32_kernel),
+}
+_ROUTE_OF = {fn: backend for (backend, _), (fn, _) in ROUTES.items()}
+
+
+def routed(backend: str, dtype: str):
+    """The function attention of ``dtype`` runs on route ``backend`` (:data:`ROUTES`), or None: the route
+    leaves torch's SDPA as it is, or its native kernel does not run on this CPU under the ISA cap."""
+    fn, probe = ROUTES.get((backend, dtype), (None, None))
+    return fn if fn is not None and (probe is None or probe() is not None) else None
+
+
+def route_of(fn) -> "str | None":
+    """The route backend whose function ``fn`` is (:data:`ROUTES`), or None: not one of them."""
+    return _ROUTE_OF.get(fn)
+
+
 _FLOATS = (torch.float32, torch.bfloat16)
 _UNSUPPORTED = -6   # CO_ERR_UNSUPPORTED_AMX: not the avx512 variant, the OS refused AMX's tile state, or no AVX512_BF16
 def _float_mask(attn_mask, shape):

@@ -41,10 +41,7 @@ def _attention_taken(n: torch.fx.Node, dtype: str) -> "routing.Route | None":
         return None
     from ..backends import attention as battn
 
-    backend = {battn.f32_attention: "f32_fused", battn.dpbf16_attention: "dpbf16",
-               battn.dpbf16_attention_bf16: "dpbf16", battn.amx_attention: "amx_bf16",
-               battn.bf16_flash_attention: "torch_flash", battn.matmul_softmax_attention: "matmul_softmax",
-               battn.bf16_matmul_softmax_attention: "bf16_matmul_softmax"}.get(n.target)
+    backend = battn.route_of(n.target)
     if backend is None:
         if n.target not in ATTENTION_OPS:
             return None
@@ -416,7 +413,7 @@ def lower(gm: torch.fx.GraphModule, dtype: str, exclude: dict | None = None) -> 
     ctx = Ctx(gm, g, dtype)
     ctx.state = mutated_state(gm)
     fallbacks, views, attention, routed = {}, [], [], []
-    routes = {w: routing.route(w, dtype) for w in ("gemm", "conv", "attention")}
+    routes = {w: routing.route(w, dtype) for w in set(WORK_OF.values())}
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr"):
@@ -449,15 +446,12 @@ def lower(gm: torch.fx.GraphModule, dtype: str, exclude: dict | None = None) -> 
                 reason = f"not lowered: {e}"
             except Exception as e:  # noqa: BLE001 - oneDNN refused the op: run it in torch
                 reason = f"oneDNN rejected it: {e}"
-        taken = _attention_taken(n, dtype)
         if n.target in VIEW_OPS:
             views.append(n)
-        elif taken is not None:
+        elif (taken := _attention_taken(n, dtype)) is not None:
             attention.append((n, taken))
-        elif reason is None:
-            reason = f"no oneDNN Graph mapping for {_target_name(n)}"
-        if reason is not None and n.target not in VIEW_OPS and taken is None:
-            fallbacks[n] = reason
+        else:
+            fallbacks[n] = reason or f"no oneDNN Graph mapping for {_target_name(n)}"
         _wildcard(ctx, n)
     parts = []
     for p in g.partitions():

@@ -286,7 +286,6 @@ def _conv_int8(dims) -> Built:
 
 def _attention(dtype: str, dims) -> Built:
     from ..backends import attention as battn
-    from ..backends.attention import matmul_softmax_attention
 
     bsz, heads, seq, d = dims
     dt = TORCH_DTYPE[dtype]
@@ -296,12 +295,9 @@ def _attention(dtype: str, dims) -> Built:
     out = Built(f"{bsz}x{heads} heads x seq {seq} x {d}")
     check = _float_check(ref, dtype)
     _admit(out, "torch_flash", lambda: (lambda: F.scaled_dot_product_attention(q, k, v)), check)
-    name = "bf16_matmul_softmax" if dtype == "bf16" else "matmul_softmax"
-    _admit(out, name, lambda: (lambda: matmul_softmax_attention(q, k, v)), check)
-    if dtype == "bf16" and battn._dpbf16_kernel() is not None:   # AVX512_BF16 here (under the ISA cap)
-        _admit(out, "dpbf16", lambda: (lambda: battn.dpbf16_attention_bf16(q, k, v)), check)
-    if dtype == "fp32" and battn._f32_kernel() is not None:   # the avx512 variant here (under the ISA cap)
-        _admit(out, "f32_fused", lambda: (lambda: battn.f32_attention(q, k, v)), check)
+    for (backend, dt), (fn, _) in battn.ROUTES.items():   # the routes for this dtype whose kernels run here
+        if dt == dtype and battn.routed(backend, dtype) is not None:
+            _admit(out, backend, lambda fn=fn: (lambda: fn(q, k, v)), check)
     return out
 
 

@@ -19,8 +19,8 @@ def route_attention(gm: torch.fx.GraphModule, dtype: str, int8: bool = False) ->
     ``int8``: the float32 attention of an int8 graph (its matmuls are not quantized) runs cpu_opt's fused
     bf16 kernel where the ``attention``/``int8`` route says so (:func:`cpu_opt.backends.attention.amx_attention`
     on CPUs with AMX tiles, :func:`~cpu_opt.backends.attention.dpbf16_attention` on CPUs with AVX512_BF16
-    and no AMX), else torch's flash
-    kernel in bf16 where the CPU has native bf16 math and the bf16 route is that kernel: BERT-base's
+    and no AMX; the table :data:`cpu_opt.backends.attention.ROUTES`), else (the int8 route is torch's
+    flash kernel, or its own kernel does not run under the ISA cap) torch's flash kernel in bf16: BERT-base's
     (1x12x128x64, padding mask, inputs strided views of the projections) 239 us with the casts against
     282 in fp32 alone, 375 against 410 inside the int8 model, relative error 3.7e-3 (Xeon with AMX,
     2 threads); the int8 layers around it are 1e-2 off already."""
@@ -28,31 +28,26 @@ def route_attention(gm: torch.fx.GraphModule, dtype: str, int8: bool = False) ->
         from ...backends import attention as battn
 
         ra, rb = routing.route("attention", "int8"), routing.route("attention", "bf16")
-        fused = {"amx_bf16": (battn._amx_kernel, battn.amx_attention, "cpu_opt's fused AMX kernel"),
-                 "dpbf16": (battn._dpbf16_kernel, battn.dpbf16_attention, "cpu_opt's fused AVX512_BF16 kernel")
-                 }.get(ra.backend)
-        if fused is not None or rb.backend == "torch_flash":
-            use = fused is not None and fused[0]() is not None
+        fn = battn.routed(ra.backend, "int8")
+        if fn is None and ((ra.backend, "int8") in battn.ROUTES or rb.backend == "torch_flash"):
+            fn = battn.bf16_flash_attention   # the int8 route's kernel does not run here (ISA cap)
+        if fn is not None:
             done = []
             for n in gm.graph.nodes:
                 if n.op == "call_function" and n.target == aten.scaled_dot_product_attention.default and \
                         not n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0):
-                    n.target = fused[1] if use else battn.bf16_flash_attention
+                    n.target = fn
                     done.append(n)
             n_bf16 = bf16_projections(gm, done)
             gm.recompile()
-            where = f"{fused[2]} ({ra.why})" if use else \
+            where = f"cpu_opt's fused {ra.backend} kernel ({ra.why})" if fn is not battn.bf16_flash_attention else \
                 f"torch's flash kernel in bf16 (native bf16 math here; {rb.why})"
             return [f"{len(done)} attention op(s) of the int8 graph on {where}"
                     + (f"; {n_bf16} int8 projection(s) feeding them write bf16" if n_bf16 else "")] if done else []
     r = routing.route("attention", dtype)
     from ...backends import attention as battn
 
-    target = {"bf16_matmul_softmax": battn.bf16_matmul_softmax_attention,
-              "matmul_softmax": battn.matmul_softmax_attention,
-              "dpbf16": battn.dpbf16_attention_bf16 if dtype == "bf16" else None,
-              "f32_fused": battn.f32_attention if dtype == "fp32" and battn._f32_kernel() is not None else None
-              }.get(r.backend)
+    target = battn.routed(r.backend, dtype)
     if target is None:
         return []
     n_done = 0
