@@ -47,6 +47,8 @@ def _act(n: torch.fx.Node) -> str | None:
         return "relu"
     if n.target in (aten.silu.default, aten.silu_.default):
         return "silu"
+    if n.target in (aten.hardswish.default, aten.hardswish_.default):
+        return "hardswish"
     if n.target == aten.gelu.default:
         approx = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
         return "gelu_tanh" if approx == "tanh" else "gelu_erf"

@@ -9,7 +9,7 @@ The families themselves live beside it, one file per backend: ``fbgemm.py``, ``t
 * ``y`` is float32, or ``torch.uint8`` quantized with ``out_qparams`` when the consumer is int8 too.
   Chains carry plain ``uint8`` tensors, not torch's quantized dtypes, so fake-tensor shape
   propagation and the runtime's buffer analysis see ordinary tensors;
-* ``post_op`` (``relu``, ``gelu_erf``, ``gelu_tanh``, ``silu``) runs fused inside the kernel where the
+* ``post_op`` (``relu``, ``gelu_erf``, ``gelu_tanh``, ``silu``, ``hardswish``) runs fused inside the kernel where the
   family has it, else in float32 after it (the answer is the same, only the cost differs);
 * ``other`` (convolutions) is a residual added before the post-op.
 
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 
-POST_OPS = ("relu", "gelu_erf", "gelu_tanh", "silu")
+POST_OPS = ("relu", "gelu_erf", "gelu_tanh", "silu", "hardswish")
 FAMILIES = ("fbgemm", "torch_onednn", "onednn")
 
 _TORCH_POST = {
@@ -42,6 +42,7 @@ _TORCH_POST = {
     "gelu_erf": F.gelu,
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
     "silu": F.silu,
+    "hardswish": F.hardswish,
 }
 
 

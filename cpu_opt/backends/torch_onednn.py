@@ -33,8 +33,9 @@ def packed_linear_weight(w_nk: torch.Tensor, rows: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- int8
 # torch's oneDNN qlinear_pointwise post-op names (shared/KNOWN.md: "silu" is refused, "swish" works)
 QLINEAR_POST = {None: ("none", [], ""), "relu": ("relu", [], ""), "gelu_erf": ("gelu", [], "none"),
-                 "gelu_tanh": ("gelu", [], "tanh"), "silu": ("swish", [], "")}
-QCONV_POST = {None: ("none", [], ""), "relu": ("relu", [], ""), "silu": ("swish", [], "")}
+                 "gelu_tanh": ("gelu", [], "tanh"), "silu": ("swish", [], ""), "hardswish": ("hardswish", [], "")}
+QCONV_POST = {None: ("none", [], ""), "relu": ("relu", [], ""), "silu": ("swish", [], ""),
+              "hardswish": ("hardswish", [], "")}
 
 
 class TorchOnednnLinear(LinearKernel):

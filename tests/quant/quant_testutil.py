@@ -23,6 +23,7 @@ REF_POST = {
     "gelu_erf": F.gelu,
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
     "silu": F.silu,
+    "hardswish": F.hardswish,
 }
 
 

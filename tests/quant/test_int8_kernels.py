@@ -23,7 +23,7 @@ from cpu_opt.quant import kernels as K  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning")
 
-POSTS = [None, "relu", "gelu_erf", "gelu_tanh", "silu"]
+POSTS = [None, "relu", "gelu_erf", "gelu_tanh", "silu", "hardswish"]
 XS, XZ = 2.0 ** -5, 40           # input qparams: a power-of-two scale, a zero point inside the range
 N, KD = 24, 40                   # linear: out, in features
 
@@ -173,7 +173,9 @@ def _conv_kernel(family, wq, ws, b, conv, x_shape, **kw):
     return K.CONV_KERNELS[family](wq, ws, b, (XS, XZ), **conv, **extra, **kw)
 
 
-REQUANT_POSTS = ("gelu_erf", "gelu_tanh", "silu")   # FBGEMM runs these after an int8 convolution
+REQUANT_POSTS = ("gelu_erf", "gelu_tanh", "silu", "hardswish")   # FBGEMM runs these after an int8 convolution
+# half a raw step times the activation's largest slope: GELU 1.13, SiLU 1.10, HardSwish 1.5 (at x = 3)
+HALF_STEP_SLOPE = {"gelu_erf": 0.57, "gelu_tanh": 0.57, "silu": 0.57, "hardswish": 0.75}
 
 
 def _qparams_as_graph_sets_them(k, raw, ref, chained):
@@ -186,8 +188,8 @@ def _qparams_as_graph_sets_them(k, raw, ref, chained):
 
 def _check_conv(family, post_op, y, ref, k, chained):
     """fp32: exact for torch's oneDNN; FBGEMM writes int8 and is dequantized: within one output step,
-    or, where GELU/SiLU runs after it, within 0.57 raw steps (half a step times the activation's
-    largest slope, 1.13). uint8 (chained): one step; FBGEMM + GELU/SiLU: 0.57 raw steps + half a step."""
+    or, where GELU/SiLU/HardSwish runs after it, within half a raw step times the activation's largest
+    slope (:data:`HALF_STEP_SLOPE`). uint8 (chained): one step; FBGEMM + those: that bound + half a step."""
     if not chained and family != "fbgemm":
         return _fp32_close(y, ref)
     assert y.shape == ref.shape
@@ -196,10 +198,10 @@ def _check_conv(family, post_op, y, ref, k, chained):
     if chained:
         assert y.dtype == torch.uint8 and int(y.max()) <= X_QMAX
         y = dequant_u8(y, *k.out_qparams)
-        bound = 0.57 * k.raw_qparams[0] + 0.5 * k.out_qparams[0]
+        bound = HALF_STEP_SLOPE[post_op] * k.raw_qparams[0] + 0.5 * k.out_qparams[0]
     else:
         assert y.dtype == torch.float32
-        bound = 0.57 * k.raw_qparams[0] if post_op in REQUANT_POSTS else k.own_out_qparams[0]
+        bound = HALF_STEP_SLOPE[post_op] * k.raw_qparams[0] if post_op in REQUANT_POSTS else k.own_out_qparams[0]
     err = (y.double() - ref).abs().max().item()
     assert err <= bound * (1 + 1e-4) + 1e-6, f"{err:.4g} > {bound:.4g}"
 
@@ -309,7 +311,7 @@ def _check_residual(family, k, y, ref):
     if family == "fbgemm":
         # int8 convolution (raw qparams) then the quantized add (+ ReLU) or the fp32 add + GELU/SiLU:
         # half a raw step (times the activation's slope) + one output step
-        bound = 0.57 * k.raw_qparams[0] + k.own_out_qparams[0]
+        bound = HALF_STEP_SLOPE.get(k.post_op, 0.5) * k.raw_qparams[0] + k.own_out_qparams[0]
         err = (y.double() - ref).abs().max().item()
         assert y.dtype == torch.float32 and y.shape == ref.shape
         assert err <= bound * (1 + 1e-4), f"{err:.4g} > {bound:.4g}"
@@ -532,7 +534,7 @@ def test_conv_residual_add_into_uint8(family, post_op, other_dtype):
         return
     y = k(x, other)
     if family == "fbgemm" and post_op == "silu":
-        bound = 0.57 * k.raw_qparams[0] + out_qp[0]
+        bound = HALF_STEP_SLOPE[post_op] * k.raw_qparams[0] + out_qp[0]
         assert (dequant_u8(y, *out_qp) - ref).abs().max().item() <= bound * 1.0001
     else:
         _u8_within_one_step(y, ref, out_qp)

@@ -501,6 +501,51 @@ def test_optimize_resnet_block_fuses_the_residual_add(resblock, monkeypatch):
     assert cos >= MIN_COSINE and sqnr >= CNN_SQNR_FLOOR_DB, (cos, sqnr)
 
 
+class HardSwishBlock(nn.Module):
+    """MobileNetV3's pattern: convolutions with HardSwish, a depthwise one among them, and a
+    squeeze-excitation scale (hardsigmoid(s) * x) before the classifier."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.stem, self.bn0 = nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.dw, self.bn1 = nn.Conv2d(c, c, 3, padding=1, groups=c, bias=False), nn.BatchNorm2d(c)
+        self.se = nn.Conv2d(c, c, 1)
+        self.fc = nn.Linear(c, 10)
+
+    def forward(self, x):
+        x = nn.functional.hardswish(self.bn0(self.stem(x)))
+        x = nn.functional.hardswish(self.bn1(self.dw(x)))
+        x = nn.functional.hardsigmoid(self.se(x.mean((2, 3), keepdim=True))) * x
+        return self.fc(x.mean((2, 3)))
+
+
+def test_optimize_int8_fuses_hardswish_and_chains_uint8(monkeypatch):
+    """HardSwish runs inside the int8 convolution (every family: fused where it has it, after the
+    kernel where not), whose uint8 output feeds the next int8 layer; before, MobileNetV3's int8
+    convolutions wrote float32 for a HardSwish partition and were quantized again, and its int8 model
+    was slower than its fp32 one. Answers within the CNN bounds."""
+    torch.manual_seed(0)
+    m = HardSwishBlock()
+    with torch.no_grad():
+        for bn in (m.bn0, m.bn1):
+            bn.running_mean.uniform_(-0.1, 0.1)
+            bn.running_var.uniform_(0.5, 1.5)
+    m.eval()
+    calib = [(torch.randn(4, 3, 16, 16, generator=gen(700 + i)),) for i in range(N_CALIB)]
+    x = torch.randn(2, 3, 16, 16, generator=gen(9))
+    opt = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping())
+    rows = {li["layer"]: li for li in opt.report()["int8"]}
+    assert rows["stem"]["post_op"] == "hardswish" and rows["stem"]["out"] == "uint8 (chained)", rows
+    assert rows["dw"]["post_op"] == "hardswish" and rows["dw"]["in"] == "uint8 (chained)", rows
+    calls = KernelCalls(monkeypatch)
+    out = opt(x)
+    assert calls.total() == len(rows)
+    with torch.no_grad():
+        ref = m(x)
+    cos, sqnr = compare(out, ref)
+    assert cos >= MIN_COSINE and sqnr >= CNN_SQNR_FLOOR_DB, (cos, sqnr)
+
+
 @pytest.mark.parametrize("batch", [1, 5])
 def test_optimize_int8_second_input_shape(batch, resblock, results):
     m, calib, x, opt = resblock
