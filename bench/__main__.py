@@ -1,4 +1,5 @@
-"""python -m bench [NAME ...]: run the named benchmarks (all when none is named)."""
+"""python -m bench [NAME ...]: run the named benchmarks (all when none is named), each under the
+machine's benchmark lock (``bench.runner.bench_lock``) unless it takes that lock itself."""
 import argparse
 import importlib
 import pkgutil
@@ -21,9 +22,15 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in available()]
     if unknown:
         p.error(f"unknown benchmark(s) {unknown}; available: {available()}")
+    from bench.runner import bench_lock
+
     for n in names:
         mod = importlib.import_module(f"bench.{n}")
-        mod.main(quick=args.quick, argv=rest)
+        if getattr(mod, "LOCKS_ITSELF", False):   # takes the machine lock per process (bench hf)
+            mod.main(quick=args.quick, argv=rest)
+        else:
+            with bench_lock():
+                mod.main(quick=args.quick, argv=rest)
     return 0
 
 

@@ -46,6 +46,9 @@ INT8_IMPLS = ("eager", "cpu_opt", "cpu_opt_int8", "torchao_int8", "fx_int8", "dy
 OPTIONAL_IMPLS = ("onnxruntime",)   # ONNX Runtime fp32: asked for by name (--impls)
 BF16_IMPLS = ("eager", "eager_bf16", "compile_bf16", "cpu_opt_bf16", "openvino_bf16")
 
+LOCKS_ITSELF = True   # the machine lock around each measuring process, not the whole run (bench.__main__)
+
+
 
 def calibration_inputs(name: str, inputs: dict, n: int = 8) -> list[dict]:
     """``n`` seeded inputs shaped like the example (token ids drawn again, the mask kept)."""

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import argparse
 
+LOCKS_ITSELF = True   # its hf part locks per process, its zoo part holds the lock (bench.__main__)
+
 
 def main(quick: bool = False, argv=None) -> None:
     from bench import hf, optimize
+    from bench.runner import bench_lock
     from cpu_opt import hw
 
     ap = argparse.ArgumentParser(prog="python -m bench quant", description=__doc__,
@@ -51,7 +54,8 @@ def main(quick: bool = False, argv=None) -> None:
                     "--name", "quant_zoo_quick" if quick else "quant_zoo"]
         if args.zoo:
             zoo_argv += ["--models", args.zoo]
-        optimize.main(quick, zoo_argv + (["--quick"] if quick else []))
+        with bench_lock():
+            optimize.main(quick, zoo_argv + (["--quick"] if quick else []))
 
 
 if __name__ == "__main__":
