@@ -96,15 +96,24 @@ class bench_lock:
         import os
 
         self._f = None
-        if os.environ.get("CPU_OPT_BENCH_NO_LOCK") != "1":
+        # a worker started by a benchmark that holds the lock (``-m bench buckets --worker``) inherits
+        # HELD and does not wait on its parent
+        if os.environ.get("CPU_OPT_BENCH_NO_LOCK") != "1" and os.environ.get(_HELD) != "1":
             self._f = open(BENCH_LOCK, "a")
             fcntl.flock(self._f, fcntl.LOCK_EX)
+            os.environ[_HELD] = "1"
         return self
 
     def __exit__(self, *exc):
+        import os
+
         if self._f is not None:
+            os.environ.pop(_HELD, None)
             self._f.close()  # closing the file releases the lock
         return False
+
+
+_HELD = "CPU_OPT_BENCH_LOCK_HELD"
 
 
 # ----------------------------------------------------------------------------- machine peaks
