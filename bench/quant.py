@@ -8,7 +8,7 @@
    at each ``--batches`` (default 1 and 16). Results: ``hf_int8[_b16]_<cpu>.json`` + ``.png``.
 2. The zoo (``python -m bench optimize``): eager fp32, cpu_opt fp32, cpu_opt bf16 where the CPU has
    native bf16 math, and cpu_opt int8 (calibrated on 8 seeded batches) — int8 must beat cpu_opt's own
-   fp32 on every zoo model. Results: ``quant_zoo.json`` + ``.png``.
+   fp32 on every zoo model. Results: ``quant_zoo_<cpu>.json`` + ``.png`` (``bench.runner.machine_slug()``).
 
 ``--skip-hf`` / ``--skip-zoo`` run one part; ``--quick`` runs small models with few repeats. The
 runtimes compared against install with ``pip install 'cpu_opt[compare]'`` and ``pip install torchao
@@ -23,7 +23,7 @@ LOCKS_ITSELF = True   # its hf part locks per process, its zoo part holds the lo
 
 def main(quick: bool = False, argv=None) -> None:
     from bench import hf, optimize
-    from bench.runner import bench_lock
+    from bench.runner import bench_lock, machine_slug
     from cpu_opt import hw
 
     ap = argparse.ArgumentParser(prog="python -m bench quant", description=__doc__,
@@ -51,7 +51,7 @@ def main(quick: bool = False, argv=None) -> None:
         if hw.has_native_bf16(hw.detect()):
             impls.insert(2, "cpu_opt_bf16")
         zoo_argv = ["--impls", ",".join(impls), "--batches", ",".join(map(str, batches)),
-                    "--name", "quant_zoo_quick" if quick else "quant_zoo"]
+                    "--name", f"quant_zoo{'_quick' if quick else ''}_{machine_slug()}"]
         if args.zoo:
             zoo_argv += ["--models", args.zoo]
         with bench_lock():

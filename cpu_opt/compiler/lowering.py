@@ -221,9 +221,12 @@ def _eltwise(kind, **attrs):
     return lower
 
 
+def _gelu_approximate(n) -> str:
+    return n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
+
+
 def _gelu(ctx: Ctx, n):
-    approx = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
-    if approx == "none":
+    if _gelu_approximate(n) == "none":
         ctx.op(n, "GELU", [ctx.lt(n.args[0])], [ctx.out(n)])
         return
     # oneDNN Graph 3.2's GELU is erf-only: write the tanh form out,
@@ -256,6 +259,8 @@ def _hardsigmoid(ctx: Ctx, n):
 
 
 _hardsigmoid.kind = "HardSigmoid"
+# a lowering's kind: the oneDNN op it emits when it emits one; GELU's tanh form is a chain of ops
+_gelu.kind = lambda n: "GELU" if _gelu_approximate(n) == "none" else None
 
 
 def _binary(kind):
@@ -403,36 +408,50 @@ ONE_OP_PARTITION = ("a partition of this one op would fuse nothing: torch's kern
                     "step's per-call cost (128 x 768 LayerNorm: 16 vs 80 us; ConvNeXt-T's pooling mean over "
                     "1 x 768 x 7 x 7 bf16: 16 vs 714 us)")
 
-# oneDNN Graph fuses an elementwise op on a partition's input and the binary op reading its result
-# first into one eltwise primitive with a binary post-op, and oneDNN 3.2 has no jit eltwise kernel that
-# takes post-ops: it runs `ref:any` (ONEDNN_VERBOSE). relu(x) * 2 over 1 x 120 x 28 x 28 took 5.4 ms as
-# a partition, 0.02 in torch; MobileNetV3's squeeze-excitation scale hardsigmoid(s) * x, standing alone
+# oneDNN Graph fuses an elementwise op on a partition's input and a binary op reading its result into
+# one eltwise primitive with a binary post-op, and oneDNN 3.2 has no jit eltwise kernel that takes
+# post-ops: it runs `ref:any` (ONEDNN_VERBOSE). relu(x) * 2 over 1 x 120 x 28 x 28 took 5.4 ms as a
+# partition, 0.02 in torch; MobileNetV3's squeeze-excitation scale hardsigmoid(s) * x, standing alone
 # in int8 graphs (its convolutions are int8 primitives), 1.3-5.1 ms each, 25 of the int8 model's 34 ms
 # (AMD EPYC Zen 4, 2 threads). Such a partition of elementwise and binary ops only runs in torch.
-# Others keep their jit kernels: a binary op first (x * 2 + 1 then ReLU: a binary primitive with
-# post-ops), or the eltwise result read second (x * sigmoid(x)).
+# oneDNN takes the eltwise result as either operand of Add and Multiply (x * relu(t) and
+# x + relu(t) run `ref:any` too) but only as the first of Subtract and Divide (x - relu(t) is two jit
+# primitives). Others keep their jit kernels: a binary op first (x * 2 + 1 then ReLU: a binary primitive
+# with post-ops), and x * sigmoid(x) in either order, which oneDNN makes one swish eltwise (Zen 1).
 ELTWISE_KINDS = frozenset({"ReLU", "GELU", "Sigmoid", "Tanh", "HardSwish", "HardSigmoid"})
 BINARY_KINDS = frozenset({"Add", "Subtract", "Multiply", "Divide"})
+COMMUTATIVE_KINDS = frozenset({"Add", "Multiply"})
 ELTWISE_BINARY = ("oneDNN 3.2 runs an elementwise op with a fused binary op after it on its reference kernel "
                   "(relu(x) * 2 over 1 x 120 x 28 x 28: 5.4 ms as a partition, 0.02 in torch)")
 
 
+def _kind(n: torch.fx.Node) -> str | None:
+    """The oneDNN op kind node ``n`` lowers to, None for chains and unmapped nodes."""
+    kind = getattr(LOWERINGS.get(n.target), "kind", None)
+    return kind(n) if callable(kind) else kind
+
+
 def _eltwise_binary(kinds, nodes: list) -> bool:
     """The partition is elementwise and binary ops only, and one of its elementwise ops reads the
-    partition's input and feeds a binary op as its first operand (what oneDNN makes an eltwise
-    primitive with a binary post-op)."""
+    partition's input and feeds a binary op where oneDNN makes it an eltwise primitive with a binary
+    post-op (the first operand; either operand of Add and Multiply; not x * sigmoid(x), a swish)."""
     if not set(kinds) <= ELTWISE_KINDS | BINARY_KINDS:
         return False
     inside = set(nodes)
     for n in nodes:
-        kind = getattr(LOWERINGS.get(n.target), "kind", None)
+        kind = _kind(n)
         if kind not in ELTWISE_KINDS or any(a in inside for a in n.all_input_nodes):
             continue
         for u in n.users:
-            if u in inside and getattr(LOWERINGS.get(u.target), "kind", None) in BINARY_KINDS:
-                first = u.args[0] if isinstance(u.args[0], torch.fx.Node) else u.args[1]   # scalar first: swapped
-                if first is n:
-                    return True
+            ukind = _kind(u) if u in inside else None
+            if ukind not in BINARY_KINDS:
+                continue
+            operands = [a for a in u.args[:2] if isinstance(a, torch.fx.Node)]   # a scalar first is swapped
+            other = [a for a in operands if a is not n]
+            if kind == "Sigmoid" and ukind == "Multiply" and other and other[0] is n.args[0]:
+                continue   # swish
+            if operands[0] is n or ukind in COMMUTATIVE_KINDS:
+                return True
     return False
 
 

@@ -102,7 +102,7 @@ X86_CORES = {
     ("GenuineIntel", 6, 108): "Ice Lake-D", ("GenuineIntel", 6, 143): "Sapphire Rapids",
     ("GenuineIntel", 6, 207): "Emerald Rapids", ("GenuineIntel", 6, 173): "Granite Rapids",
     ("GenuineIntel", 6, 79): "Broadwell", ("GenuineIntel", 6, 63): "Haswell",
-    ("AuthenticAMD", 23, 1): "Zen", ("AuthenticAMD", 23, 49): "Zen 2", ("AuthenticAMD", 25, 1): "Zen 3",
+    ("AuthenticAMD", 23, 1): "Zen 1", ("AuthenticAMD", 23, 49): "Zen 2", ("AuthenticAMD", 25, 1): "Zen 3",
     ("AuthenticAMD", 25, 17): "Zen 4", ("AuthenticAMD", 25, 160): "Zen 4c",
 }
 X86_CORE_FAMILIES = {("AuthenticAMD", 26): "Zen 5", ("AuthenticAMD", 25): "Zen 3 / Zen 4",

@@ -388,6 +388,41 @@ def test_eltwise_feeding_a_binary_op_runs_in_torch_and_is_reported():
         assert [p["ops"] for p in rep["partitions"]] == [["Multiply", "Add", "ReLU", "Subtract"]]
 
 
+class EltwiseReadSecond(nn.Module):
+    """Where oneDNN does and does not make an eltwise primitive with a binary post-op: the eltwise
+    result read second by an Add or Multiply, and an exact GELU, do; a Subtract reading it second
+    and x * sigmoid(x) (a swish) do not."""
+
+    def forward(self, x, y, z, w):
+        added = x + torch.tanh(y)                      # commutative: ref:any like tanh(y) + x
+        gelu = nn.functional.gelu(z) * 2.0             # erf GELU then a binary op: ref:any
+        swish = w * torch.sigmoid(w)                   # one jit swish eltwise
+        sub = x - torch.relu(w)                        # two jit primitives
+        return added, gelu, swish, sub
+
+
+def test_eltwise_read_second_or_gelu_feeding_a_binary_op_runs_in_torch():
+    """ONEDNN_VERBOSE on oneDNN 3.2 (AMD EPYC Zen 1): x * relu(t), x + relu(t) and gelu(t) * 2 run
+    `ref:any` (27-35 ms over 1 x 120 x 28 x 28 under load); t * sigmoid(t) runs jit swish and
+    x - relu(t) two jit primitives. The first three run in torch, reported; the others stay."""
+    from cpu_opt.compiler import lowering
+
+    m = EltwiseReadSecond().eval()
+    x, y, z, w = (torch.randn(1, 8, 6, 6) for _ in range(4))
+    opt = cpu_opt.optimize(m, (x, y, z, w), dtype="fp32")
+    for _ in range(2):
+        for a, b in zip(opt(x, y, z, w), m(x, y, z, w)):
+            assert _close(a, b)
+    rep = opt.report()
+    kinds = sorted(sorted(p["ops"]) for p in rep["partitions"])
+    assert ["Add", "Tanh"] not in kinds and ["GELU", "Multiply"] not in kinds, kinds
+    if onednn_graph_used():
+        why = {r["op"]: r["why"] for r in rep["routed"] if r["route"] == "torch"}
+        for op in ("aten.tanh.default", "aten.add.Tensor", "aten.gelu.default"):
+            assert why.get(op) == lowering.ELTWISE_BINARY, rep["routed"]
+        assert ["Multiply", "Sigmoid"] in kinds and ["ReLU"] in kinds and ["Subtract"] in kinds, kinds
+
+
 class GeluMLP(nn.Module):
     def __init__(self):
         super().__init__()

@@ -442,6 +442,16 @@ def test_optimize_mlp_fuses_activations_and_chains_layers(results):
     assert all(li["post_op"] is None for li in r.module_report["layers"])
 
 
+def with_bn_statistics(m: nn.Module) -> nn.Module:
+    """``m`` in eval mode with running statistics of its BatchNorms that are not the identity."""
+    with torch.no_grad():
+        for bn in m.modules():
+            if isinstance(bn, nn.BatchNorm2d):
+                bn.running_mean.uniform_(-0.1, 0.1)
+                bn.running_var.uniform_(0.5, 1.5)
+    return m.eval()
+
+
 class ResBlock(nn.Module):
     """A ResNet basic block with a downsampling shortcut, then a classifier."""
 
@@ -467,12 +477,7 @@ class ResBlock(nn.Module):
 @pytest.fixture(scope="module")
 def resblock():
     torch.manual_seed(0)
-    m = ResBlock()
-    with torch.no_grad():
-        for bn in (m.bn0, m.bn1, m.bn2, m.bnd):
-            bn.running_mean.uniform_(-0.1, 0.1)
-            bn.running_var.uniform_(0.5, 1.5)
-    m.eval()
+    m = with_bn_statistics(ResBlock())
     calib = [(torch.randn(4, 3, 16, 16, generator=gen(300 + i)),) for i in range(N_CALIB)]
     x = torch.randn(2, 3, 16, 16, generator=gen(8))
     opt = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping())
@@ -502,48 +507,57 @@ def test_optimize_resnet_block_fuses_the_residual_add(resblock, monkeypatch):
 
 
 class HardSwishBlock(nn.Module):
-    """MobileNetV3's pattern: convolutions with HardSwish, a depthwise one among them, and a
-    squeeze-excitation scale (hardsigmoid(s) * x) before the classifier."""
+    """MobileNetV3's pattern: convolutions with HardSwish, a depthwise one among them, a pointwise one
+    whose output adds the block's input before its HardSwish, and a squeeze-excitation scale
+    (hardsigmoid(s) * x) before the classifier."""
 
     def __init__(self, c=16):
         super().__init__()
         self.stem, self.bn0 = nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
         self.dw, self.bn1 = nn.Conv2d(c, c, 3, padding=1, groups=c, bias=False), nn.BatchNorm2d(c)
+        self.pw, self.bn2 = nn.Conv2d(c, c, 1, bias=False), nn.BatchNorm2d(c)
         self.se = nn.Conv2d(c, c, 1)
         self.fc = nn.Linear(c, 10)
 
     def forward(self, x):
         x = nn.functional.hardswish(self.bn0(self.stem(x)))
-        x = nn.functional.hardswish(self.bn1(self.dw(x)))
+        y = nn.functional.hardswish(self.bn1(self.dw(x)))
+        x = nn.functional.hardswish(self.bn2(self.pw(y)) + x)
         x = nn.functional.hardsigmoid(self.se(x.mean((2, 3), keepdim=True))) * x
         return self.fc(x.mean((2, 3)))
 
 
-def test_optimize_int8_fuses_hardswish_and_chains_uint8(monkeypatch):
-    """HardSwish runs inside the int8 convolution (every family: fused where it has it, after the
-    kernel where not), whose uint8 output feeds the next int8 layer; before, MobileNetV3's int8
-    convolutions wrote float32 for a HardSwish partition and were quantized again, and its int8 model
-    was slower than its fp32 one. Answers within the CNN bounds."""
+@pytest.mark.parametrize("family", ["fbgemm", "torch_onednn", "onednn"])
+def test_optimize_int8_fuses_hardswish_and_chains_uint8(family, monkeypatch):
+    """HardSwish runs inside the int8 convolution on every family (fused where it has it, after the
+    kernel where not), after a residual add where there is one, and the uint8 output feeds the next
+    int8 layer; before, MobileNetV3's int8 convolutions wrote float32 for a HardSwish partition and
+    were quantized again, and its int8 model was slower than its fp32 one. Answers within the CNN
+    bounds."""
+    from cpu_opt.quant import api
+
+    assert family in buildable_families("conv2d")
+    monkeypatch.setattr(api, "choose_family", lambda kind, rows, macs, conv=None:
+                        (family if kind == "conv2d" else "fbgemm", "forced"))
     torch.manual_seed(0)
-    m = HardSwishBlock()
-    with torch.no_grad():
-        for bn in (m.bn0, m.bn1):
-            bn.running_mean.uniform_(-0.1, 0.1)
-            bn.running_var.uniform_(0.5, 1.5)
-    m.eval()
+    m = with_bn_statistics(HardSwishBlock())
     calib = [(torch.randn(4, 3, 16, 16, generator=gen(700 + i)),) for i in range(N_CALIB)]
     x = torch.randn(2, 3, 16, 16, generator=gen(9))
     opt = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping())
     rows = {li["layer"]: li for li in opt.report()["int8"]}
+    assert {rows[k]["family"] for k in ("stem", "dw", "pw", "se")} == {family}, rows
     assert rows["stem"]["post_op"] == "hardswish" and rows["stem"]["out"] == "uint8 (chained)", rows
     assert rows["dw"]["post_op"] == "hardswish" and rows["dw"]["in"] == "uint8 (chained)", rows
+    assert rows["pw"]["post_op"] == "hardswish" and rows["pw"]["residual_add"] is True, rows
+    assert [k for k, li in rows.items() if li["residual_add"]] == ["pw"]
+    assert "fell_back" not in opt.report()["validation"]
     calls = KernelCalls(monkeypatch)
     out = opt(x)
     assert calls.total() == len(rows)
     with torch.no_grad():
         ref = m(x)
     cos, sqnr = compare(out, ref)
-    assert cos >= MIN_COSINE and sqnr >= CNN_SQNR_FLOOR_DB, (cos, sqnr)
+    assert cos >= MIN_COSINE and sqnr >= CNN_SQNR_FLOOR_DB, (family, cos, sqnr)
 
 
 @pytest.mark.parametrize("batch", [1, 5])
