@@ -174,9 +174,10 @@ class Int8State:
     """What calibration established, kept across re-plans for new shapes: per layer key, the
     input and output quantization parameters (and SmoothQuant's channel ranges)."""
 
-    def __init__(self, mapping: QConfigMapping, calibration, autotune: bool = False):
+    def __init__(self, mapping: QConfigMapping, calibration, autotune: bool = False, min_cosine: float | None = None):
         self.mapping = mapping
         self.autotune = autotune            # time the kernel families per layer instead of routing
+        self.min_cosine = min_cosine        # the accuracy validation holds the int8 plan to (None: the kernels' guard)
         self.calibration = calibration      # list of flat input lists; dropped once used
         self.qparams: dict[str, dict] = {}
         self.layers_report: list[dict] = []

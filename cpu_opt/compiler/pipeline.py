@@ -309,7 +309,7 @@ class OptimizedModule(torch.nn.Module):
                     return dict(res, ok=False, why=f"output {i} has shape {list(x.shape)}, eager's {list(y.shape)}")
                 if not x.is_floating_point() and not torch.equal(x, y):
                     return dict(res, ok=False, why=f"output {i} ({x.dtype}) differs from eager's")
-        cmp = _compare(result, ref, self.dtype)
+        cmp = _compare(result, ref, self.dtype, _min_cosine(self._options))
         res.update(cmp)
         if not cmp["ok"]:
             res["why"] = (f"max rel err {cmp.get('max_rel_err', float('nan')):.3g}, "
@@ -384,7 +384,7 @@ class OptimizedModule(torch.nn.Module):
             a, k = copies((args, kwargs))
             ref = model(*a, **k)
         res = _compare(pytree.tree_unflatten(list(plan.first_output), plan.out_spec or self._captured.out_spec),
-                       ref, self.dtype)
+                       ref, self.dtype, _min_cosine(self._options))
         if not res["ok"]:
             cap = capture(model, kwargs if kwargs else args, eager_output=ref)
             plan = build_plan(cap.gm, tensor_leaves(flat), self.dtype, _out_dtypes(cap, self._options), False,
@@ -495,7 +495,7 @@ class OptimizedModule(torch.nn.Module):
 
 
 def _narrow_int8(model, example_inputs, ref, flat_in, out_dtypes, leaves, options, state, res):
-    """int8 outputs too far from fp32 (below ``INT8_MIN_COSINE``): keep in fp32 the layers whose own
+    """int8 outputs too far from fp32 (below ``min_cosine``, else ``INT8_MIN_COSINE``): keep in fp32 the layers whose own
     int8 error is largest (:func:`cpu_opt.quant.graph.layer_sensitivity` on the example), 1, 2, 4 ...
     of them, worst first, until the model passes; ``(module, result)``, or ``None`` when even all but
     one layer in fp32 does not pass (the caller then runs the whole model in fp32)."""
@@ -519,7 +519,7 @@ def _narrow_int8(model, example_inputs, ref, flat_in, out_dtypes, leaves, option
         plan2 = build_plan(cap2.gm, flat_in, "int8", out_dtypes, False, Progress(False, 4, ""),
                            exclude=options.get("exclude"), int8=options["int8"])
         state.restore()
-        res2 = _compare(pytree.tree_unflatten(list(plan2.first_output), cap2.out_spec), ref, "int8")
+        res2 = _compare(pytree.tree_unflatten(list(plan2.first_output), cap2.out_spec), ref, "int8", st.min_cosine)
         if res2["ok"]:
             kept = [{"layer": r["layer"], "node": r["node"], "sqnr_db": r["sqnr_db"]} for r in sens[:k]]
             return (OptimizedModule(model, cap2, plan2, "int8", leaves, options),
@@ -529,7 +529,9 @@ def _narrow_int8(model, example_inputs, ref, flat_in, out_dtypes, leaves, option
     return None
 
 
-def _compare(out, ref, dtype: str) -> dict:
+def _compare(out, ref, dtype: str, min_cosine: float | None = None) -> dict:
+    """Floating outputs against the reference: fp32 within 1e-3 relative, bf16 cosine 0.99, int8
+    cosine ``min_cosine`` (None: :data:`INT8_MIN_COSINE`)."""
     a = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     b = [t for t in pytree.tree_leaves(ref) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if len(a) != len(b) or not a:
@@ -543,7 +545,7 @@ def _compare(out, ref, dtype: str) -> dict:
     cos = min(torch.nn.functional.cosine_similarity(exact(x).flatten(), exact(y).flatten(), dim=0).item()
               for x, y in zip(a, b))
     # int8: the quantization error is the user's choice (reported as SQNR); this guards the kernels
-    ok = rel <= 1e-3 if dtype == "fp32" else cos >= (INT8_MIN_COSINE if dtype == "int8" else 0.99)
+    ok = rel <= 1e-3 if dtype == "fp32" else cos >= (_int8_bar(min_cosine) if dtype == "int8" else 0.99)
     res = {"ok": ok, "max_rel_err": rel, "min_cosine": cos}
     if dtype == "int8":
         res["min_sqnr_db"] = min(_sqnr(x, y) for x, y in zip(a, b))
@@ -551,6 +553,16 @@ def _compare(out, ref, dtype: str) -> dict:
 
 
 INT8_MIN_COSINE = 0.97  # below it, an int8 plan is treated as broken (narrowed, then run in torch)
+
+
+def _int8_bar(min_cosine: float | None) -> float:
+    """The cosine an int8 plan's outputs must reach: the user's ``min_cosine``, never below the guard."""
+    return INT8_MIN_COSINE if min_cosine is None else max(float(min_cosine), INT8_MIN_COSINE)
+
+
+def _min_cosine(options) -> float | None:
+    int8 = options.get("int8")
+    return int8[1].min_cosine if int8 else None
 
 
 def _sqnr(x, y) -> float:
@@ -611,7 +623,7 @@ MAX_SHAPES = 32  # plans kept per optimized model (LRU; the example's plan is ne
 
 def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dynamic=None, buckets=None,
              autotune: bool = False, verbose: bool = False, validate: bool = True, max_shapes: int = MAX_SHAPES,
-             calibration_data=None, qconfig_mapping=None, _int8_state=None,
+             calibration_data=None, qconfig_mapping=None, min_cosine: float | None = None, _int8_state=None,
              _dynamo_fallback: bool = True) -> OptimizedModule:
     """Optimize ``model`` for this CPU.
 
@@ -651,7 +663,12 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     an int8 kernel on the family routing picks (FBGEMM, torch's oneDNN, cpu_opt's oneDNN), with the
     following ReLU/GELU/SiLU fused and consecutive int8 layers chained in uint8; the rest of the
     graph is optimized as in fp32. ``.report()["int8"]`` lists each layer's kernel and why;
-    validation reports the cosine and SQNR against the fp32 model.
+    validation reports the cosine and SQNR against the fp32 model. ``min_cosine`` (default: None, only
+    the guard against broken kernels, cosine ``INT8_MIN_COSINE`` = 0.97) is the accuracy to hold the int8
+    model to, as the outputs' cosine to fp32 on the example inputs (and on each new shape's first call):
+    below it, the layers whose own int8 error is largest stay in fp32 (1, 2, 4 ... of them, worst
+    first) until it holds, reported in ``report()["validation"]["int8_layers_in_fp32"]``; if only
+    all-but-one in fp32 would do, the whole model runs in fp32 (NNCF's accuracy control, in one call).
 
     A model neither ``torch.export`` nor FX symbolic tracing takes (data-dependent control flow,
     Python side effects) is captured through dynamo instead: a :class:`~cpu_opt.compiler.dynamo.DynamoModule`
@@ -678,8 +695,11 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     if dt == "int8" and info.arch == "aarch64":
         raise NotImplementedError("dtype='int8' runs on x86-64 only for now (FBGEMM / oneDNN int8 kernels); on "
                                   "aarch64 use dtype='bf16' or 'auto'")
-    if dt != "int8" and (calibration_data is not None or qconfig_mapping is not None):
-        raise ValueError(f"calibration_data and qconfig_mapping are for dtype='int8' (got dtype={dtype!r})")
+    if dt != "int8" and (calibration_data is not None or qconfig_mapping is not None or min_cosine is not None):
+        raise ValueError(f"calibration_data, qconfig_mapping and min_cosine are for dtype='int8' (got dtype={dtype!r})")
+    if min_cosine is not None and (isinstance(min_cosine, bool) or not isinstance(min_cosine, (int, float))
+                                   or not 0.0 < min_cosine <= 1.0):
+        raise ValueError(f"min_cosine must be a number in (0, 1], got {min_cosine!r}")
     if info.arch == "aarch64" and bucket_spec is not None:
         raise NotImplementedError("buckets= runs on x86-64 only for now (the aarch64 path plans each shape)")
     if info.arch == "aarch64":
@@ -706,7 +726,8 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
         chosen = check_spec(bucket_spec, model, args, kwargs)  # bad names / dims raise before any work
     int8 = None
     if dt == "int8":
-        int8 = (model, _int8_state or _int8_setup(args, kwargs, calibration_data, qconfig_mapping, autotune))
+        int8 = (model, _int8_state or _int8_setup(args, kwargs, calibration_data, qconfig_mapping, autotune,
+                                                  min_cosine))
     progress = Progress(verbose, 5, f"cpu_opt.optimize({type(model).__name__})")
     t0 = time.perf_counter()
     with _eval_mode(model):
@@ -745,7 +766,7 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     return opt
 
 
-def _int8_setup(args, kwargs, calibration_data, qconfig_mapping, autotune=False):
+def _int8_setup(args, kwargs, calibration_data, qconfig_mapping, autotune=False, min_cosine=None):
     """The int8 state for optimize: the mapping, and each calibration item flattened like the
     example inputs (same structure and constants; only tensors may differ)."""
     from ..quant.graph import Int8State
@@ -775,7 +796,7 @@ def _int8_setup(args, kwargs, calibration_data, qconfig_mapping, autotune=False)
         flats.append(tensor_leaves(il))
     if not flats:
         raise ValueError("calibration_data is empty")
-    return Int8State(mapping, flats, autotune=bool(autotune))
+    return Int8State(mapping, flats, autotune=bool(autotune), min_cosine=min_cosine)
 
 
 def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbose, validate, max_shapes, progress,
@@ -803,7 +824,7 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
     opt = OptimizedModule(model, captured, plan, dt, leaves, options)
     if validate:
         out = pytree.tree_unflatten(list(plan.first_output), captured.out_spec)
-        res = _compare(out, ref, dt)
+        res = _compare(out, ref, dt, _min_cosine(options))
         del out
         if not res["ok"] and plan.steps:
             # narrow it down: the partitions that disagree with torch run in torch, the rest stays
@@ -832,15 +853,15 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
             # off (below INT8_MIN_COSINE) is not int8 noise: the model runs in fp32, in torch
             cap2 = capture(model, example_inputs, eager_output=ref)
             options["use_onednn"] = False
-            was_int8 = dt == "int8"
+            was_int8, bar = dt == "int8", _int8_bar(_min_cosine(options))
             if was_int8:
                 dt, options["int8"] = "fp32", None
             plan2 = build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False,
                                 int8=options.get("int8"))
             state.restore()
             opt = OptimizedModule(model, cap2, plan2, dt, leaves, options)
-            res["fell_back"] = ("int8 outputs too far from fp32 (cosine below {INT8_MIN_COSINE}): the model runs in "
-                                "fp32, in torch".format(INT8_MIN_COSINE=INT8_MIN_COSINE) if was_int8 else
+            res["fell_back"] = (f"int8 outputs too far from fp32 (cosine below {bar}): "
+                                "the model runs in fp32, in torch" if was_int8 else
                                 "outputs differed from eager; the whole graph now runs in torch")
         opt._validation = res
     if autotune and opt._base_plan.steps:

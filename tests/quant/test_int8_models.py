@@ -657,6 +657,59 @@ def test_optimize_int8_keeps_only_the_layer_that_breaks_accuracy_in_fp32(monkeyp
     assert cos >= 0.97, cos
 
 
+class _Outlier(_Crushing):
+    """_Crushing with a milder outlier channel (MILD x the others): all in int8 the outputs stay above
+    the kernels' guard (cosine 0.97) but below a stricter accuracy a user may ask for."""
+
+    MILD = 40.0
+
+    def __init__(self):
+        super().__init__()
+        with torch.no_grad():
+            self.fc1.bias[7] = self.MILD
+
+
+def test_optimize_int8_min_cosine_keeps_the_worst_layers_in_fp32_until_it_holds(monkeypatch):
+    """min_cosine: the accuracy the user holds the int8 model to. The default keeps every layer in int8
+    (only the guard against broken kernels); a stricter min_cosine keeps the layer with the largest
+    int8 error in fp32, and only it, and the outputs then reach it."""
+    m = _Outlier().eval()
+    calib = [(torch.randn(16, 32, generator=gen(900 + i)),) for i in range(3)]
+    x = torch.randn(16, 32, generator=gen(5))
+    with torch.no_grad():
+        ref = m(x)
+    loose = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping())
+    v = loose.report()["validation"]
+    assert v["ok"] and "int8_layers_in_fp32" not in v, v
+    cos_all, _ = compare(loose(x), ref)
+    assert 0.97 <= cos_all < 0.999, cos_all
+    strict = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping(),
+                              min_cosine=0.999)
+    v = strict.report()["validation"]
+    assert v["ok"] and "fell_back" not in v, v
+    assert v["first_try"]["min_cosine"] == pytest.approx(cos_all, abs=1e-6), v
+    assert [r["layer"] for r in v["int8_layers_in_fp32"]] == ["fc2"], v
+    assert {r["layer"] for r in strict.report()["int8"]} == {"fc1", "fc3"}
+    calls = KernelCalls(monkeypatch)
+    cos, _ = compare(strict(x), ref)
+    assert cos >= 0.999 and calls.total() == 2, (cos, calls.calls)
+    x2 = torch.randn(5, 32, generator=gen(6))          # a new shape is held to it too
+    cos2, _ = compare(strict(x2), m(x2).detach())
+    assert cos2 >= 0.999, cos2
+    checks = strict.report()["shape_validation"]
+    assert [c["shapes"] for c in checks] == [[[5, 32]]] and checks[0]["ok"], checks
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, 1.5, True, "0.99", float("nan")])
+def test_optimize_min_cosine_must_be_a_cosine(bad):
+    m = _Outlier().eval()
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="min_cosine"):
+        cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=[(x,)], min_cosine=bad)
+    with pytest.raises(ValueError, match="min_cosine are for dtype='int8'"):
+        cpu_opt.optimize(m, (x,), dtype="fp32", min_cosine=0.99)
+
+
 @pytest.mark.parametrize("bad", ["two_tensors", "dict", "rank", "dtype"])
 def test_optimize_int8_refuses_calibration_items_of_another_structure(bad):
     m = ZOO["mlp"].build("small")
