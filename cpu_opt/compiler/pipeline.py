@@ -600,19 +600,26 @@ def _median_seconds(fn, repeats: int = 5) -> float:
     return sorted(ts[1:])[len(ts[1:]) // 2]
 
 
-def _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options) -> OptimizedModule:
+def _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options, ref=None) -> OptimizedModule:
     """Measure the oneDNN plan against the same captured graph run entirely in torch, on the
-    example inputs, and keep the faster one (the report says which, with both times)."""
+    example inputs, and keep the faster one (the report says which, with both times). With ``ref``
+    (validation on), the torch plan is held to the same bar first: it is another plan (int8: its
+    layers' kernels measured again), so it is chosen only if its own outputs pass."""
     cap2 = capture(model, example_inputs)
     opts2 = dict(options, use_onednn=False)
     plan2 = build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False,
                         int8=options.get("int8"))
+    if ref is not None:
+        res = _compare(pytree.tree_unflatten(list(plan2.first_output), cap2.out_spec), ref, dt, _min_cosine(options))
+        if not res["ok"]:
+            opt._autotune = {"chosen": "onednn", "torch_plan_rejected": res}
+            return opt
     alt = OptimizedModule(model, cap2, plan2, dt, pytree.tree_leaves(flatten_inputs(example_inputs)), opts2)
     args, kwargs = flatten_inputs(example_inputs)
     t_onednn = _median_seconds(lambda: opt(*args, **kwargs))
     t_torch = _median_seconds(lambda: alt(*args, **kwargs))
     chosen = opt if t_onednn <= t_torch else alt
-    chosen._validation = opt._validation
+    chosen._validation = opt._validation if chosen is opt or ref is None else dict(res, chose_torch_plan=True)
     chosen._autotune = {"onednn_ms": round(t_onednn * 1e3, 3), "torch_ms": round(t_torch * 1e3, 3),
                         "chosen": "onednn" if chosen is opt else "torch"}
     return chosen
@@ -839,7 +846,8 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
                 plan2 = build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""),
                                     exclude=exclude, int8=options.get("int8"))
                 state.restore()
-                res2 = _compare(pytree.tree_unflatten(list(plan2.first_output), cap2.out_spec), ref, dt)
+                res2 = _compare(pytree.tree_unflatten(list(plan2.first_output), cap2.out_spec), ref, dt,
+                                _min_cosine(options))
                 if res2["ok"]:
                     opt = OptimizedModule(model, cap2, plan2, dt, leaves, options)
                     res = dict(res2, narrowed=bad, first_try=res)
@@ -865,7 +873,7 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
                                 "outputs differed from eager; the whole graph now runs in torch")
         opt._validation = res
     if autotune and opt._base_plan.steps:
-        opt = _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options)
+        opt = _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options, ref if validate else None)
     return opt
 
 

@@ -197,6 +197,33 @@ def test_autotune_measures_both_plans_and_keeps_one():
     assert _close(opt(x), m(x).detach())
 
 
+def test_autotune_keeps_the_onednn_plan_when_the_torch_plan_fails_validation(monkeypatch):
+    """The torch plan autotune measures is another plan (int8: its layers' kernels measured again):
+    it is held to the validation bar before it may be chosen, not handed the oneDNN plan's result."""
+    import cpu_opt.compiler.pipeline as pipeline
+
+    real = pipeline.build_plan
+
+    def wrong_torch_plan(*a, **kw):
+        plan = real(*a, **kw)
+        if kw.get("use_onednn") is False:
+            plan.first_output = [-t if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                                 for t in plan.first_output]
+        return plan
+
+    monkeypatch.setattr(pipeline, "build_plan", wrong_torch_plan)
+    m = Block().eval()
+    x = torch.randn(2, 3, 8, 8)
+    opt = cpu_opt.optimize(m, x, dtype="fp32", autotune=True)
+    at = opt.report()["autotune"]
+    if not onednn_graph_used():
+        assert at is None
+        return
+    assert at["chosen"] == "onednn" and not at["torch_plan_rejected"]["ok"], at
+    assert opt.report()["num_partitions"] > 0 and opt.report()["validation"]["ok"]
+    assert _close(opt(x), m(x).detach())
+
+
 def test_dynamic_reuses_the_capture_for_new_shapes(monkeypatch):
     from cpu_opt.compiler import pipeline
 
