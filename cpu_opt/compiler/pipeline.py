@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import numbers
 from collections import OrderedDict
 import threading
 import time
@@ -309,7 +310,9 @@ class OptimizedModule(torch.nn.Module):
                     return dict(res, ok=False, why=f"output {i} has shape {list(x.shape)}, eager's {list(y.shape)}")
                 if not x.is_floating_point() and not torch.equal(x, y):
                     return dict(res, ok=False, why=f"output {i} ({x.dtype}) differs from eager's")
-        cmp = _compare(result, ref, self.dtype, _min_cosine(self._options))
+        # int8: the guard only; the bucket's own plan was held to min_cosine on its first call (_validated),
+        # this asks whether padding changed the answer
+        cmp = _compare(result, ref, self.dtype)
         res.update(cmp)
         if not cmp["ok"]:
             res["why"] = (f"max rel err {cmp.get('max_rel_err', float('nan')):.3g}, "
@@ -378,7 +381,8 @@ class OptimizedModule(torch.nn.Module):
     def _validated(self, model, plan: Plan, args, kwargs, flat, sig) -> Plan:
         """Compare a new shape's plan with eager on the call that asked for it (one eager run per new
         shape); on a mismatch that shape runs in torch, and the report says so."""
-        if not plan.steps or plan.first_output is None:
+        int8 = self._options.get("int8")
+        if plan.first_output is None or not (plan.steps or int8):  # int8 kernels run outside partitions too
             return plan
         with torch.no_grad():
             a, k = copies((args, kwargs))
@@ -387,10 +391,11 @@ class OptimizedModule(torch.nn.Module):
                        ref, self.dtype, _min_cosine(self._options))
         if not res["ok"]:
             cap = capture(model, kwargs if kwargs else args, eager_output=ref)
-            plan = build_plan(cap.gm, tensor_leaves(flat), self.dtype, _out_dtypes(cap, self._options), False,
-                               Progress(False, 4, ""), use_onednn=False, int8=self._options.get("int8"))
+            plan = build_plan(cap.gm, tensor_leaves(flat), "fp32" if int8 else self.dtype,
+                               _out_dtypes(cap, self._options), False, Progress(False, 4, ""), use_onednn=False)
             plan.out_spec = cap.out_spec
-            res["fell_back"] = "outputs differed from eager at this shape; it runs in torch"
+            res["fell_back"] = ("int8 outputs below the cosine bar at this shape; it runs in fp32, in torch" if int8
+                                else "outputs differed from eager at this shape; it runs in torch")
         self._shape_checks[sig] = res
         return plan
 
@@ -503,6 +508,7 @@ def _narrow_int8(model, example_inputs, ref, flat_in, out_dtypes, leaves, option
     from .passes import run_passes
 
     st = options["int8"][1]
+    before = dict(st.fp32_keys), list(st.layers_report)  # shared with other plans (generate's structures)
     cap = capture(model, example_inputs, eager_output=ref)
     state.restore()
     run_passes(cap.gm)  # the fp32 graph quantize_graph sees (BatchNorm folded)
@@ -525,7 +531,7 @@ def _narrow_int8(model, example_inputs, ref, flat_in, out_dtypes, leaves, option
             return (OptimizedModule(model, cap2, plan2, "int8", leaves, options),
                     dict(res2, int8_layers_in_fp32=kept, first_try=res))
         k *= 2
-    st.fp32_keys, st.layers_report = {}, []
+    st.fp32_keys, st.layers_report = before
     return None
 
 
@@ -556,8 +562,9 @@ INT8_MIN_COSINE = 0.97  # below it, an int8 plan is treated as broken (narrowed,
 
 
 def _int8_bar(min_cosine: float | None) -> float:
-    """The cosine an int8 plan's outputs must reach: the user's ``min_cosine``, never below the guard."""
-    return INT8_MIN_COSINE if min_cosine is None else max(float(min_cosine), INT8_MIN_COSINE)
+    """The cosine an int8 plan's outputs must reach: the user's ``min_cosine`` (optimize refuses one
+    below the guard), else the guard."""
+    return INT8_MIN_COSINE if min_cosine is None else min_cosine
 
 
 def _min_cosine(options) -> float | None:
@@ -619,7 +626,8 @@ def _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options, ref=
     t_onednn = _median_seconds(lambda: opt(*args, **kwargs))
     t_torch = _median_seconds(lambda: alt(*args, **kwargs))
     chosen = opt if t_onednn <= t_torch else alt
-    chosen._validation = opt._validation if chosen is opt or ref is None else dict(res, chose_torch_plan=True)
+    chosen._validation = opt._validation if chosen is opt or ref is None else \
+        dict(opt._validation, **{k: v for k, v in res.items() if k != "ok"}, chose_torch_plan=True)
     chosen._autotune = {"onednn_ms": round(t_onednn * 1e3, 3), "torch_ms": round(t_torch * 1e3, 3),
                         "chosen": "onednn" if chosen is opt else "torch"}
     return chosen
@@ -671,11 +679,13 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     following ReLU/GELU/SiLU fused and consecutive int8 layers chained in uint8; the rest of the
     graph is optimized as in fp32. ``.report()["int8"]`` lists each layer's kernel and why;
     validation reports the cosine and SQNR against the fp32 model. ``min_cosine`` (default: None, only
-    the guard against broken kernels, cosine ``INT8_MIN_COSINE`` = 0.97) is the accuracy to hold the int8
-    model to, as the outputs' cosine to fp32 on the example inputs (and on each new shape's first call):
-    below it, the layers whose own int8 error is largest stay in fp32 (1, 2, 4 ... of them, worst
-    first) until it holds, reported in ``report()["validation"]["int8_layers_in_fp32"]``; if only
-    all-but-one in fp32 would do, the whole model runs in fp32 (NNCF's accuracy control, in one call).
+    the guard against broken kernels, cosine ``INT8_MIN_COSINE`` = 0.97; a bar from 0.97 to 1, with
+    ``validate=True``) is the accuracy to hold the int8 model to, as the outputs' cosine to fp32 on the
+    example inputs (and on each new shape's first call; a shape that misses it runs in fp32): below
+    it, the layers whose own int8 error is largest stay in fp32 (1, 2, 4 ... of them, worst first)
+    until it holds, reported in ``report()["validation"]["int8_layers_in_fp32"]``; if only
+    all-but-one in fp32 would do, the whole model runs as cpu_opt's fp32 plan (NNCF's accuracy
+    control, in one call).
 
     A model neither ``torch.export`` nor FX symbolic tracing takes (data-dependent control flow,
     Python side effects) is captured through dynamo instead: a :class:`~cpu_opt.compiler.dynamo.DynamoModule`
@@ -702,11 +712,19 @@ def optimize(model: torch.nn.Module, example_inputs, *, dtype: str = "auto", dyn
     if dt == "int8" and info.arch == "aarch64":
         raise NotImplementedError("dtype='int8' runs on x86-64 only for now (FBGEMM / oneDNN int8 kernels); on "
                                   "aarch64 use dtype='bf16' or 'auto'")
-    if dt != "int8" and (calibration_data is not None or qconfig_mapping is not None or min_cosine is not None):
-        raise ValueError(f"calibration_data, qconfig_mapping and min_cosine are for dtype='int8' (got dtype={dtype!r})")
-    if min_cosine is not None and (isinstance(min_cosine, bool) or not isinstance(min_cosine, (int, float))
-                                   or not 0.0 < min_cosine <= 1.0):
-        raise ValueError(f"min_cosine must be a number in (0, 1], got {min_cosine!r}")
+    given = [n for n, v in (("calibration_data", calibration_data), ("qconfig_mapping", qconfig_mapping),
+                            ("min_cosine", min_cosine)) if v is not None]
+    if dt != "int8" and given:
+        raise ValueError(f"{', '.join(given)}: for dtype='int8' only (calibration_data, qconfig_mapping and "
+                         f"min_cosine are for dtype='int8'; got dtype={dtype!r})")
+    if min_cosine is not None:
+        if isinstance(min_cosine, bool) or not isinstance(min_cosine, numbers.Real) \
+                or not INT8_MIN_COSINE <= float(min_cosine) <= 1.0:
+            raise ValueError(f"min_cosine must be a number from {INT8_MIN_COSINE} to 1 (below {INT8_MIN_COSINE} an int8 "
+                             f"plan is taken for broken kernels, not quantization noise), got {min_cosine!r}")
+        if not validate:
+            raise ValueError("min_cosine needs validate=True: it is checked by comparing the int8 outputs with fp32")
+        min_cosine = float(min_cosine)
     if info.arch == "aarch64" and bucket_spec is not None:
         raise NotImplementedError("buckets= runs on x86-64 only for now (the aarch64 path plans each shape)")
     if info.arch == "aarch64":
@@ -846,31 +864,44 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
                 plan2 = build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""),
                                     exclude=exclude, int8=options.get("int8"))
                 state.restore()
-                res2 = _compare(pytree.tree_unflatten(list(plan2.first_output), cap2.out_spec), ref, dt,
-                                _min_cosine(options))
-                if res2["ok"]:
+                out2 = pytree.tree_unflatten(list(plan2.first_output), cap2.out_spec)
+                if _compare(out2, ref, dt)["ok"]:  # the wrong partitions stay out (int8: then held to min_cosine)
                     opt = OptimizedModule(model, cap2, plan2, dt, leaves, options)
-                    res = dict(res2, narrowed=bad, first_try=res)
+                    res = dict(_compare(out2, ref, dt, _min_cosine(options)), narrowed=bad, first_try=res)
                     options["exclude"] = exclude
+                del out2
         if not res["ok"] and dt == "int8":
             narrowed = _narrow_int8(model, example_inputs, ref, flat_in, out_dtypes, leaves, options, state, res)
             if narrowed is not None:
                 opt, res = narrowed
         if not res["ok"]:
-            # never silently wrong: rebuild without oneDNN and say so; an int8 plan that is this far
-            # off (below INT8_MIN_COSINE) is not int8 noise: the model runs in fp32, in torch
-            cap2 = capture(model, example_inputs, eager_output=ref)
-            options["use_onednn"] = False
+            # never silently wrong: rebuild and say so. int8 that only missed the user's min_cosine
+            # (above the INT8_MIN_COSINE guard: quantization noise) runs as cpu_opt's fp32 plan when
+            # that plan passes; anything else (below the guard: not int8 noise) runs in fp32, in torch
             was_int8, bar = dt == "int8", _int8_bar(_min_cosine(options))
+            noise = was_int8 and res.get("min_cosine", 0.0) >= INT8_MIN_COSINE
             if was_int8:
                 dt, options["int8"] = "fp32", None
-            plan2 = build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False,
-                                int8=options.get("int8"))
-            state.restore()
-            opt = OptimizedModule(model, cap2, plan2, dt, leaves, options)
-            res["fell_back"] = (f"int8 outputs too far from fp32 (cosine below {bar}): "
-                                "the model runs in fp32, in torch" if was_int8 else
-                                "outputs differed from eager; the whole graph now runs in torch")
+            fp32 = None
+            if noise:
+                cap2 = capture(model, example_inputs, eager_output=ref)
+                state.restore()
+                plan2 = build_plan(cap2.gm, flat_in, "fp32", out_dtypes, False, Progress(False, 4, ""),
+                                    exclude=options.get("exclude"))
+                state.restore()
+                if _compare(pytree.tree_unflatten(list(plan2.first_output), cap2.out_spec), ref, "fp32")["ok"]:
+                    fp32 = OptimizedModule(model, cap2, plan2, dt, leaves, options)
+            if fp32 is not None:
+                opt = fp32
+            else:
+                cap2 = capture(model, example_inputs, eager_output=ref)
+                options["use_onednn"] = False
+                plan2 = build_plan(cap2.gm, flat_in, dt, out_dtypes, False, Progress(False, 4, ""), use_onednn=False)
+                state.restore()
+                opt = OptimizedModule(model, cap2, plan2, dt, leaves, options)
+            where = "cpu_opt's fp32 plan" if fp32 is not None else "fp32, in torch"
+            res["fell_back"] = (f"int8 outputs too far from fp32 (cosine below {bar}): the model runs in {where}"
+                                if was_int8 else "outputs differed from eager; the whole graph now runs in torch")
         opt._validation = res
     if autotune and opt._base_plan.steps:
         opt = _autotune(model, example_inputs, opt, flat_in, dt, out_dtypes, options, ref if validate else None)

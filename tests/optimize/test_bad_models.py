@@ -128,7 +128,8 @@ def test_a_new_shape_that_disagrees_with_eager_runs_in_torch_and_is_reported(mon
     m = WithBatchNorm().eval()
     opt = cpu_opt.optimize(m, torch.randn(2, 3, 8, 8), dtype="fp32")
     real = pipeline._compare
-    monkeypatch.setattr(pipeline, "_compare", lambda out, ref, dt: {**real(out, ref, dt), "ok": False})
+    monkeypatch.setattr(pipeline, "_compare", lambda out, ref, dt, min_cosine=None:
+                        {**real(out, ref, dt, min_cosine), "ok": False})
     x = torch.randn(3, 3, 8, 8)
     assert _close(opt(x), m(x).detach())
     if not onednn_graph_used():
@@ -398,7 +399,9 @@ class EltwiseReadSecond(nn.Module):
         gelu = nn.functional.gelu(z) * 2.0             # erf GELU then a binary op: ref:any
         swish = w * torch.sigmoid(w)                   # one jit swish eltwise
         sub = x - torch.relu(w)                        # two jit primitives
-        return added, gelu, swish, sub
+        mul = y * torch.relu(x)                        # commutative, read second: ref:any
+        div = torch.relu(z) / (w.abs() + 1.0)          # read first by a Divide: an eltwise with a post-op
+        return added, gelu, swish, sub, mul, div
 
 
 def test_eltwise_read_second_or_gelu_feeding_a_binary_op_runs_in_torch():
@@ -416,9 +419,11 @@ def test_eltwise_read_second_or_gelu_feeding_a_binary_op_runs_in_torch():
     rep = opt.report()
     kinds = sorted(sorted(p["ops"]) for p in rep["partitions"])
     assert ["Add", "Tanh"] not in kinds and ["GELU", "Multiply"] not in kinds, kinds
+    assert ["Multiply", "ReLU"] not in kinds and not any("Divide" in k and "ReLU" in k for k in kinds), kinds
     if onednn_graph_used():
         why = {r["op"]: r["why"] for r in rep["routed"] if r["route"] == "torch"}
-        for op in ("aten.tanh.default", "aten.add.Tensor", "aten.gelu.default"):
+        for op in ("aten.tanh.default", "aten.add.Tensor", "aten.gelu.default", "aten.relu.default",
+                   "aten.div.Tensor"):
             assert why.get(op) == lowering.ELTWISE_BINARY, rep["routed"]
         assert ["Multiply", "Sigmoid"] in kinds and ["ReLU"] in kinds and ["Subtract"] in kinds, kinds
 

@@ -117,7 +117,8 @@ def test_a_piece_that_cannot_be_optimized_runs_as_traced_and_is_reported(monkeyp
 
 def test_disagreement_with_eager_runs_the_model_eagerly(monkeypatch):
     real = pipeline._compare
-    monkeypatch.setattr(pipeline, "_compare", lambda out, ref, dt: {**real(out, ref, dt), "ok": False})
+    monkeypatch.setattr(pipeline, "_compare", lambda out, ref, dt, min_cosine=None:
+                        {**real(out, ref, dt, min_cosine), "ok": False})
     m = Branchy().eval()
     x = torch.randn(4, 16)
     opt = cpu_opt.optimize(m, x, dtype="fp32")

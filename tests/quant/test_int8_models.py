@@ -700,14 +700,59 @@ def test_optimize_int8_min_cosine_keeps_the_worst_layers_in_fp32_until_it_holds(
     assert [c["shapes"] for c in checks] == [[[5, 32]]] and checks[0]["ok"], checks
 
 
-@pytest.mark.parametrize("bad", [0, -0.5, 1.5, True, "0.99", float("nan")])
+def test_optimize_int8_min_cosine_out_of_reach_runs_cpu_opts_fp32_plan():
+    """A bar no int8 subset reaches (1.0: only fp32 is exact) while all-int8 is above the 0.97 guard:
+    that is quantization noise, not a broken kernel, so the model runs as cpu_opt's fp32 plan (oneDNN
+    on), not in eager torch, and says so."""
+    m = _Outlier().eval()
+    calib = [(torch.randn(16, 32, generator=gen(900 + i)),) for i in range(3)]
+    x = torch.randn(16, 32, generator=gen(5))
+    opt = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping(),
+                           min_cosine=1.0)
+    v = opt.report()["validation"]
+    assert v["fell_back"].endswith("the model runs in cpu_opt's fp32 plan"), v
+    assert opt._options["use_onednn"] and not opt.report().get("int8"), opt.report().get("int8")
+    with torch.no_grad():
+        assert torch.allclose(opt(x), m(x), rtol=1e-4, atol=1e-5)
+
+
+def test_optimize_int8_new_shape_below_min_cosine_runs_in_fp32(monkeypatch):
+    """Each new shape's first call is held to min_cosine, also when the int8 plan has no oneDNN
+    partition (its int8 kernels run outside them); a shape that misses it runs in fp32, reported."""
+    m = _Outlier().eval()
+    calib = [(torch.randn(16, 32, generator=gen(900 + i)),) for i in range(3)]
+    x = torch.randn(16, 32, generator=gen(5))
+    opt = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping())
+    assert opt.report()["validation"]["ok"] and opt.report()["int8"]
+    opt._options["int8"][1].min_cosine = 1.0    # a bar the int8 plan of any new shape misses
+    x2 = torch.randn(5, 32, generator=gen(6))
+    with torch.no_grad():
+        y2, ref2 = opt(x2), m(x2)
+    [check] = opt.report()["shape_validation"]
+    assert check["shapes"] == [[5, 32]] and not check["ok"] and check["min_cosine"] < 1.0, check
+    assert "runs in fp32" in check["fell_back"], check
+    assert torch.allclose(y2, ref2, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, 0.5, 0.969, 1.5, True, "0.99", float("nan")])
 def test_optimize_min_cosine_must_be_a_cosine(bad):
     m = _Outlier().eval()
     x = torch.randn(4, 32)
-    with pytest.raises(ValueError, match="min_cosine"):
+    with pytest.raises(ValueError, match="min_cosine must be a number from 0.97 to 1"):
         cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=[(x,)], min_cosine=bad)
-    with pytest.raises(ValueError, match="min_cosine are for dtype='int8'"):
+
+
+def test_optimize_min_cosine_needs_int8_and_validation():
+    import numpy as np
+
+    m = _Outlier().eval()
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="^min_cosine: for dtype='int8' only"):
         cpu_opt.optimize(m, (x,), dtype="fp32", min_cosine=0.99)
+    with pytest.raises(ValueError, match="min_cosine needs validate=True"):
+        cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=[(x,)], min_cosine=0.99, validate=False)
+    opt = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=[(x,)], min_cosine=np.float32(0.98))
+    assert opt.report()["validation"]["ok"]
 
 
 @pytest.mark.parametrize("bad", ["two_tensors", "dict", "rank", "dtype"])
