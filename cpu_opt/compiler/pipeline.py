@@ -853,7 +853,8 @@ def _optimize(model, example_inputs, args, kwargs, dt, dynamic, autotune, verbos
         del out
         if not res["ok"] and plan.steps:
             # narrow it down: the partitions that disagree with torch run in torch, the rest stays
-            bad = _partition_errors(plan, flat_in, dt)
+            # partitions are fp32 work also in an int8 graph (its int8 layers run outside them)
+            bad = _partition_errors(plan, flat_in, "fp32" if dt == "int8" else dt)
             state.restore()
             if bad:
                 exclude = {name: f"its oneDNN partition {b['partition']} ({'+'.join(b['ops'])}) disagreed with "
