@@ -736,3 +736,25 @@ def transformer_backward(rowptr, col, colptr, row_t, perm, q, k, v, mask, score_
              _maybe(needs[2], (n_src, H, C), v.dtype)]
     return _att_backward("transformer", rowptr, col, colptr, row_t, perm, n_src, H, C, v.dtype, [q, k, v], mask,
                          score_div, alpha, g, grads)
+
+
+# ----------------------------------------------------------------------------- random
+
+def bernoulli_mt19937(state: torch.Tensor, n: int, keep_below: int, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """``n`` dropout multipliers into ``out`` (float32, contiguous): ``scale`` where torch's MT19937,
+    given as the bytes of ``torch.get_rng_state()`` in ``state`` (uint8, advanced in place), keeps,
+    else 0. ``keep_below`` = ceil(keep probability * 2^53). The draws torch's own
+    ``bernoulli_(p)`` makes from that state (native/kernels/random.c)."""
+    check_tensor(state, "state", dtypes=(torch.uint8,), dim=1)
+    check_tensor(out, "out", dtypes=(torch.float32,))
+    if not state.is_contiguous() or not out.is_contiguous():
+        raise ValueError("bernoulli_mt19937: state and out must be contiguous")
+    if n < 0 or out.numel() < n:
+        raise ValueError(f"bernoulli_mt19937: n = {n} must be in [0, out.numel() = {out.numel()}]")
+    if not 0 <= keep_below <= 1 << 53:
+        raise ValueError(f"bernoulli_mt19937: keep_below = {keep_below} must be in [0, 2^53]")
+    st = _fn("bernoulli_mt19937_f32")(_p(state, "void *"), state.numel(), n, keep_below, scale, _p(out, "float *"))
+    if st:
+        raise ValueError(f"bernoulli_mt19937: the generator state is not torch's MT19937 layout "
+                         f"({state.numel()} bytes, status {st})")
+    return out

@@ -201,3 +201,10 @@ int64_t KFN(ts_gemm_nn_f32)(const float *a, int64_t M, int64_t K, const float *b
 /* ts_gemm_nn2_f32: C (M x N) = A1 W1^T + A2 W2^T (+ bias), A1 M x K1, A2 M x K2, W1 N x K1, W2 N x K2. */
 int64_t KFN(ts_gemm_nn2_f32)(const float *a1, int64_t M, int64_t K1, const float *w1, const float *a2, int64_t K2, const float *w2, int64_t N, const float *bias, float *c, int nthreads);
 int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *b, int64_t N2, float *c, float *colsum, int nthreads);
+
+/* ---- torch's CPU Bernoulli draws (native/kernels/random.c) ----
+ * bernoulli_mt19937_f32: out[i] = scale when draw i of torch's MT19937 (the legacy_pod state bytes of
+ * torch.get_rng_state(), advanced in place) keeps, else 0: what `torch.empty(n).bernoulli_(p)
+ * .div_(p)` gives with keep_below = ceil(p * 2^53) and scale = 1 / p as torch rounds it.
+ * CO_ERR_BAD_ARGUMENT for a short or inconsistent state, n < 0 or a NULL out. */
+int64_t KFN(bernoulli_mt19937_f32)(void *state, int64_t state_bytes, int64_t n, uint64_t keep_below, float scale, float *out);

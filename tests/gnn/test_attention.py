@@ -363,6 +363,59 @@ def test_dropout_multipliers_are_pyg_dropouts():
     assert torch.equal(torch.get_rng_state(), state)  # as F.dropout(p=1): nothing drawn
 
 
+def test_native_bernoulli_reproduces_torch_draws_and_state(monkeypatch):
+    """native/kernels/random.c draws what torch's bernoulli_ draws from the same MT19937 state, and
+    leaves the state where torch leaves it: right after seeding, at odd word positions, across the
+    624-word regeneration, for lengths of 0 to 2000 elements and keep probabilities near 0 and 1."""
+    assert gpyg._native_bernoulli_ok()
+    for pre in (0, 1, 311, 623, 624):  # words consumed before: torch.rand draws one 32-bit word each
+        for n in (0, 1, 2, 311, 312, 313, 624, 2000):
+            for keep in (0.4, 1e-9, 1 - 1e-12, 1.0):
+                torch.manual_seed(11)
+                if pre:
+                    torch.randint(0, 2 ** 31 - 1, (pre,), dtype=torch.int32)  # advances the stream
+                state = torch.get_rng_state()
+                ref = torch.empty(n).bernoulli_(keep).div_(keep)
+                got = K.bernoulli_mt19937(state, n, math.ceil(keep * 2.0 ** 53), torch.ones(1).div_(keep).item(),
+                                          torch.empty(n))
+                assert torch.equal(got, ref), (pre, n, keep)
+                assert torch.equal(state, torch.get_rng_state()), (pre, n, keep)
+    # dropout_multipliers takes the native path (the kernel is called) and matches F.dropout
+    calls = []
+    real = K.bernoulli_mt19937
+    monkeypatch.setattr(K, "bernoulli_mt19937", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(2)
+    got = gpyg.dropout_multipliers(0.6, (1000, 8), torch.float32)
+    after = torch.rand(4)
+    torch.manual_seed(2)
+    assert torch.equal(got, F.dropout(torch.ones(1000, 8), 0.6, training=True)) and calls == [1]
+    assert torch.equal(after, torch.rand(4))
+
+
+def test_native_bernoulli_bad_input_and_fallback(monkeypatch):
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match="layout"):
+        K.bernoulli_mt19937(state[:100].clone(), 4, 1 << 52, 2.0, torch.empty(4))
+    bad = state.clone()
+    bad[8:12] = torch.tensor([0, 0, 0, 0], dtype=torch.uint8)  # left = 0: not a state torch makes
+    with pytest.raises(ValueError, match="layout"):
+        K.bernoulli_mt19937(bad, 4, 1 << 52, 2.0, torch.empty(4))
+    with pytest.raises(ValueError, match="n = 5"):
+        K.bernoulli_mt19937(state.clone(), 5, 1 << 52, 2.0, torch.empty(4))
+    with pytest.raises(ValueError, match="keep_below"):
+        K.bernoulli_mt19937(state.clone(), 4, (1 << 53) + 1, 2.0, torch.empty(4))
+    with pytest.raises(TypeError):
+        K.bernoulli_mt19937(state.clone(), 4, 1 << 52, 2.0, torch.empty(4, dtype=torch.float64))
+    # a torch whose draws the kernel does not reproduce: the check says so, torch's own draws are used
+    monkeypatch.setattr(gpyg, "_NATIVE_BERNOULLI", [])
+    monkeypatch.setattr(K, "bernoulli_mt19937", lambda state, n, kb, sc, out: out.fill_(sc))
+    assert not gpyg._native_bernoulli_ok()
+    torch.manual_seed(4)
+    got = gpyg.dropout_multipliers(0.5, (50, 2), torch.float32)
+    torch.manual_seed(4)
+    assert torch.equal(got, F.dropout(torch.ones(50, 2), 0.5, training=True))
+
+
 class BipartiteNet(torch.nn.Module):
     def __init__(self, conv):
         super().__init__()
