@@ -7,6 +7,7 @@ the *sources*, so ``spmm(adj_t, x)`` aggregates messages at the targets.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import OrderedDict
@@ -106,7 +107,8 @@ class CSRGraph:
         fp = self._structure_fingerprint()
         with self._lock:
             if self._csc is None or self._csc_fp != fp:
-                self._csc = K.csr_transpose(self.rowptr, self.col, self.n_cols)
+                with outside_inference_mode():
+                    self._csc = K.csr_transpose(self.rowptr, self.col, self.n_cols)
                 self._csc_fp = fp
                 self._deg = None
             return self._csc
@@ -139,6 +141,13 @@ class CSRGraph:
                 f"weighted={self.weight is not None}, csc_cached={self._csc is not None})")
 
 
+def outside_inference_mode():
+    """A context for building what a cache keeps across calls: normal tensors even when the call that
+    fills the cache runs under ``torch.inference_mode()`` (an inference tensor cannot be saved for
+    backward, so a later training call that got one from the cache would fail)."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+
+
 # ----------------------------------------------------------------------------- sorted-index cache
 
 class _SortCache:
@@ -169,7 +178,8 @@ class _SortCache:
                 self._d.move_to_end(key)
                 self.hits += 1
                 return hit
-        rowptr, perm = K.index_to_csr(index, dim_size)
+        with outside_inference_mode():
+            rowptr, perm = K.index_to_csr(index, dim_size)
         with self._lock:
             self.misses += 1
             self._d[key] = (rowptr, perm)

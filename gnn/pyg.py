@@ -18,6 +18,9 @@
   heads) in one native kernel, forward and backward, without an E x H x C message tensor
   (:func:`attention_layers`); self-loops and dropout exactly as PyG's layer (the dropout mask is
   drawn by torch in PyG's edge order);
+* the aggregation of a tensor passed to the model that needs no gradient (the node features into
+  the first layer: the same every epoch of full-batch training) is kept across calls on the same
+  graph and checked by content on each call (:class:`_AggregationCache`);
 * the model's Linear layers (torch's and PyG's) on node features run on cpu_opt's tall-skinny
   GEMM (``native/kernels/tsgemm.c``: forward, input gradient, weight and bias gradients in one
   pass) on AVX2 machines without AVX-512, else on torch's own oneDNN 3.12
@@ -51,7 +54,7 @@ from cpu_opt.platform import hw
 
 from . import _kernels as K
 from . import ops
-from .graph import CSRGraph, torch_csr_registry
+from .graph import CSRGraph, outside_inference_mode, torch_csr_registry
 
 _counts: Counter = Counter()
 _lock = threading.RLock()
@@ -122,7 +125,7 @@ class _GCNNormCache:
             return hit[1]
         num_nodes, improved, add_self_loops, flow, dtype = args
         ei = torch_csr_registry.source_edge_index(adj)
-        with torch.no_grad():
+        with outside_inference_mode(), torch.no_grad():
             if ei is not None:
                 # PyG's edge_index path (add_remaining_self_loops), so results equal PyG's default
                 ei2, w2 = orig(ei, None, num_nodes, improved, add_self_loops, "source_to_target", dtype)
@@ -591,7 +594,8 @@ class _AttentionGraphs:
             if hit is not None:
                 self._d.move_to_end(key)
                 return hit
-        built = self._build(edge_index, n_src, n_dst, loops)
+        with outside_inference_mode():
+            built = self._build(edge_index, n_src, n_dst, loops)
         if built is None:
             return None
         with self._lock:
@@ -922,6 +926,109 @@ def _forwards(layers: dict):
             m.__dict__.pop("forward", None)
 
 
+# ----------------------------------------------------------------------------- constant aggregations
+
+# The default bound of one model's cached aggregations (OptimizedGNN(aggregation_cache_mb=...)).
+AGGREGATION_CACHE_MB = 1024
+_CONSTANT_AGGR = ("sum", "add", "mean", "max", "min")
+_AGGR_METHODS = ("propagate", "message", "aggregate", "message_and_aggregate", "update")
+
+
+def aggregation_cache_layers(model: torch.nn.Module) -> list:
+    """The layers whose ``propagate`` output is a function of the source features and the graph
+    alone: stock SAGEConv, GINConv and GraphConv (exactly those classes) with a fixed aggregation
+    (sum / mean / max / min: no learnable aggregation module)."""
+    from torch_geometric.nn import GINConv, GraphConv, SAGEConv
+
+    return [m for m in model.modules()
+            if type(m) in (SAGEConv, GINConv, GraphConv) and isinstance(m.aggr, str) and m.aggr in _CONSTANT_AGGR
+            and not any(f in m.__dict__ for f in _AGGR_METHODS[1:])]
+
+
+class _AggregationCache:
+    """``propagate`` results of layers whose source features are a tensor the caller handed to the
+    model and that needs no gradient (the node features into the first layer, the same every epoch
+    of full-batch training), on a graph this wrapper converted: kept across calls, one per layer.
+    A hit needs the same graph object, the same features by content (:func:`native.fingerprint`,
+    as the graph cache), shapes, strides, dtype, ``size`` and aggregation, and the cached tensor
+    unchanged since (``_version``); anything else computes and replaces it. Computed outside
+    inference mode, so that training calls can save it for backward. Results larger than what is
+    left of ``max_bytes`` are not kept."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self._entries: dict = {}  # layer -> (key, graph, out, out._version)
+        self._lock = threading.Lock()
+
+    def _bytes(self, skip=None) -> int:
+        return sum(e[2].numel() * e[2].element_size() for m, e in self._entries.items() if m is not skip)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def propagate(self, conv, orig, graph, inputs, notes: Counter):
+        """``conv.propagate`` for one call of the wrapped model: ``graph`` is the adj_t made for it,
+        ``inputs`` the tensors the caller passed."""
+
+        def run(edge_index, size=None, **kwargs):
+            x = kwargs.get("x")
+            x0, x1 = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
+            if (edge_index is not graph or set(kwargs) - {"x", "edge_weight"} or kwargs.get("edge_weight") is not None
+                    or not isinstance(x0, torch.Tensor) or x0.requires_grad or x0.layout != torch.strided
+                    or not any(x0 is t for t in inputs) or conv.explain or conv.decomposed_layers != 1
+                    or any(getattr(conv, h, None) for h in _MP_HOOKS)):
+                return orig(edge_index, size=size, **kwargs)
+            key = (native.fingerprint(x0), tuple(x0.shape), x0.stride(), x0.dtype,
+                   None if x1 is None else (tuple(x1.shape), x1.dtype), None if size is None else tuple(size),
+                   conv.aggr)
+            with self._lock:
+                e = self._entries.get(conv)
+            if e is not None and e[0] == key and e[1] is graph and _version(e[2]) == e[3]:
+                notes["aggregation of a constant input: cached"] += 1
+                return e[2]
+            with outside_inference_mode():  # a normal tensor: later training calls can save it for backward
+                out = orig(edge_index, size=size, **kwargs)
+            with self._lock:
+                self._entries.pop(conv, None)
+                if (isinstance(out, torch.Tensor) and not out.requires_grad
+                        and self._bytes() + out.numel() * out.element_size() <= self.max_bytes):
+                    self._entries[conv] = (key, graph, out, _version(out))
+                    notes["aggregation of a constant input: computed and kept"] += 1
+                else:
+                    notes["aggregation of a constant input: computed, over the cache bound"] += 1
+            return out
+
+        return run
+
+
+def _version(t: torch.Tensor):
+    # inference tensors have no version counter (and cannot be changed in place outside inference mode)
+    return None if t.is_inference() else t._version
+
+
+@contextlib.contextmanager
+def _propagates(layers: list, cache: _AggregationCache, graph, inputs, notes: Counter):
+    """Route each layer's ``propagate`` through ``cache`` for one call (instance attribute: PyG sets
+    its own there for explain mode and decomposed layers, which is put back afterwards)."""
+    import types
+
+    saved = []
+    for m in layers:
+        own = m.__dict__.get("propagate")
+        saved.append((m, own))
+        m.propagate = cache.propagate(m, own if own is not None else types.MethodType(type(m).propagate, m),
+                                      graph, inputs, notes)
+    try:
+        yield
+    finally:
+        for m, own in saved:
+            if own is None:
+                m.__dict__.pop("propagate", None)
+            else:
+                m.propagate = own
+
+
 # ----------------------------------------------------------------------------- the wrapper
 
 class OptimizedGNN(torch.nn.Module):
@@ -930,8 +1037,14 @@ class OptimizedGNN(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, *, edge_arg: str | None = None,
                  index_dtype: torch.dtype = torch.int64, cache_size: int = 4, linear_first: bool = True,
-                 onednn_linear: bool = True, fused_attention: bool = True):
+                 onednn_linear: bool = True, fused_attention: bool = True,
+                 aggregation_cache_mb: float | None = AGGREGATION_CACHE_MB):
         super().__init__()
+        if aggregation_cache_mb is not None and (isinstance(aggregation_cache_mb, bool)
+                                                 or not isinstance(aggregation_cache_mb, (int, float))
+                                                 or not aggregation_cache_mb >= 0):
+            raise ValueError(f"aggregation_cache_mb must be a number of MiB >= 0 or None (no cache), "
+                             f"got {aggregation_cache_mb!r}")
         self.model = model
         params = list(inspect.signature(model.forward).parameters)
         if edge_arg is None:
@@ -976,6 +1089,8 @@ class OptimizedGNN(torch.nn.Module):
             self._notes[f"{type(m).__name__}(heads={m.heads}, {m.out_channels} per head): {what}"] += 1
         self._forwards = {**linears, **fused_root, **self._linear_first, **attention}
         self._onednn_linear = onednn_linear
+        self._agg_layers = aggregation_cache_layers(model) if aggregation_cache_mb else []
+        self._agg_cache = _AggregationCache(int((aggregation_cache_mb or 0) * 2**20))
 
     def _adj_t(self, edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
         # keyed by the contents of edge_index (see graph._SortCache): a batch written into a reused
@@ -987,10 +1102,11 @@ class OptimizedGNN(torch.nn.Module):
                 self._cache.move_to_end(key)
                 self._notes["edge_index -> adj_t: cached"] += 1
                 return hit[1]
-        g = CSRGraph.from_edge_index(edge_index, num_nodes, index_dtype=self._index_dtype)
-        adj_t = g.to_torch()
-        # the adj_t's gcn_norm is computed from this edge_index: keep a copy the caller cannot edit
-        torch_csr_registry.register(adj_t, g, unit_weight=True, edge_index=edge_index.clone())
+        with outside_inference_mode():  # kept for later calls, which may train
+            g = CSRGraph.from_edge_index(edge_index, num_nodes, index_dtype=self._index_dtype)
+            adj_t = g.to_torch()
+            # the adj_t's gcn_norm is computed from this edge_index: keep a copy the caller cannot edit
+            torch_csr_registry.register(adj_t, g, unit_weight=True, edge_index=edge_index.clone())
         with self._cache_lock:
             self._cache[key] = (edge_index, adj_t)
             while len(self._cache) > self._cache_size:
@@ -1004,17 +1120,21 @@ class OptimizedGNN(torch.nn.Module):
         ei = a.get(self._edge_arg)
         x = a.get(self._params[0]) if self._params else None
         has_weight = any(a.get(n) is not None for n in ("edge_weight", "edge_attr"))
+        graph = None
         if (isinstance(ei, torch.Tensor) and ei.layout == torch.strided and ei.dim() == 2 and ei.shape[0] == 2
                 and ei.dtype in K.INDEX_DTYPES and not has_weight and isinstance(x, torch.Tensor)
                 and self._convertible):
-            a[self._edge_arg] = self._adj_t(ei, x.shape[0])
+            a[self._edge_arg] = graph = self._adj_t(ei, x.shape[0])
         elif has_weight:
             self._notes["edge weights/attrs given: edge_index kept (scatter path)"] += 1
         elif not self._convertible:
             self._notes["a layer has flow='target_to_source': edge_index kept (scatter path)"] += 1
         token = _linear_on.set(self._onednn_linear)
         try:
-            with patched(), _forwards(self._forwards):
+            with patched(), _forwards(self._forwards), contextlib.ExitStack() as stack:
+                if graph is not None and self._agg_layers:
+                    inputs = [v for v in a.values() if isinstance(v, torch.Tensor) and v is not graph]
+                    stack.enter_context(_propagates(self._agg_layers, self._agg_cache, graph, inputs, self._notes))
                 return self.model(*bound.args, **bound.kwargs)
         finally:
             _linear_on.reset(token)
@@ -1055,7 +1175,7 @@ class OptimizedGNN(torch.nn.Module):
 
 def optimize(model: torch.nn.Module, *, edge_arg: str | None = None, index_dtype: torch.dtype = torch.int64,
              linear_first: bool = True, onednn_linear: bool = True, fused_attention: bool = True,
-             verbose: bool = False) -> OptimizedGNN:
+             aggregation_cache_mb: float | None = AGGREGATION_CACHE_MB, verbose: bool = False) -> OptimizedGNN:
     """Wrap a PyG model so its message passing runs on cpu_opt kernels. The model's forward must
     take node features first and ``edge_index`` (or ``edge_arg``) as a (2, E) integer tensor.
     ``index_dtype=torch.int32`` halves the column index traffic. ``linear_first``: narrowing
@@ -1065,14 +1185,18 @@ def optimize(model: torch.nn.Module, *, edge_arg: str | None = None, index_dtype
     linears then share one output) or on torch's oneDNN where the routing table says so
     (:func:`linear`); ``False`` keeps ``F.linear`` (the name is older than the native kernel). ``fused_attention``: GATConv, GATv2Conv and TransformerConv run their attention on
     cpu_opt's fused kernels (:func:`attention_layers`; PyG's forward for what those do not cover, counted
-    in ``report()``); ``False`` keeps PyG's."""
+    in ``report()``); ``False`` keeps PyG's. ``aggregation_cache_mb``: SAGEConv, GINConv and GraphConv
+    layers aggregating a tensor passed to the model that needs no gradient (the node features into
+    the first layer) keep that aggregation across calls on the same graph, checked by content on
+    every call (:class:`_AggregationCache`), up to this many MiB per model; ``0`` or ``None`` turns it off."""
     from torch_geometric.nn import MessagePassing
 
     convs = [type(m).__name__ for m in model.modules() if isinstance(m, MessagePassing)]
     if not convs:
         raise ValueError(f"{type(model).__name__} contains no torch_geometric MessagePassing layer")
     opt = OptimizedGNN(model, edge_arg=edge_arg, index_dtype=index_dtype, linear_first=linear_first,
-                       onednn_linear=onednn_linear, fused_attention=fused_attention)
+                       onednn_linear=onednn_linear, fused_attention=fused_attention,
+                       aggregation_cache_mb=aggregation_cache_mb)
     if verbose:
         fused = [c for c in convs if c in ("GCNConv", "SAGEConv", "GINConv", "GraphConv")]
         print(f"cpu_opt.gnn.optimize: {len(convs)} message-passing layers ({', '.join(sorted(set(convs)))}); "

@@ -320,3 +320,126 @@ def test_onednn_linear_double_backward_matches_f_linear():
         (gx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
         acc.append(torch.autograd.grad(gx.pow(2).sum(), w)[0])
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-3)
+
+
+def _notes(fast) -> dict:
+    return {k: int(v) for k, v in (n.rsplit(": ", 1) for n in fast.report()["notes"])}
+
+
+@pytest.mark.parametrize("kind", ["sage_mean", "sage_max", "gin", "graphconv_min"])
+def test_constant_input_aggregation_is_kept_and_recomputed_when_anything_changes(kind):
+    torch.manual_seed(0)
+    x, ei, y = _task()
+    ref = Net(kind, x.shape[1], 16, 4)
+    fast = gnn.optimize(copy.deepcopy(ref))
+    spmm = lambda: gpyg._counts["spmm:cpu_opt"]  # noqa: E731
+    torch.testing.assert_close(fast(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)
+    assert _notes(fast)["aggregation of a constant input: computed and kept"] == 1
+    before = spmm()
+    torch.testing.assert_close(fast(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)
+    assert _notes(fast)["aggregation of a constant input: cached"] == 1
+    assert spmm() - before == 1  # only the second layer aggregated: the first layer's came from the cache
+    # contents changed behind torch's back (numpy view: no _version bump): recomputed, not stale
+    x.numpy()[:5] += 1.0
+    torch.testing.assert_close(fast(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)
+    assert _notes(fast)["aggregation of a constant input: computed and kept"] == 2
+    # another graph, then the first again (its adj_t is still cached: the aggregation is recomputed once)
+    ei2 = rmat_edge_index(x.shape[0], 1500, seed=2)
+    torch.testing.assert_close(fast(x, ei2), ref(x, ei2), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)
+    assert _notes(fast)["aggregation of a constant input: computed and kept"] == 4
+    # a copy of the features (another tensor with equal contents) is a hit; a slice of them is not an input
+    torch.testing.assert_close(fast(x.clone(), ei), ref(x, ei), rtol=1e-4, atol=1e-5)
+    assert _notes(fast)["aggregation of a constant input: cached"] == 2
+
+
+def test_constant_input_aggregation_not_kept_for_inputs_that_need_gradients():
+    torch.manual_seed(0)
+    x, ei, y = _task()
+    ref = Net("sage_mean", x.shape[1], 16, 4)
+    fast = gnn.optimize(copy.deepcopy(ref))
+    xr, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    for _ in range(2):
+        torch.nn.functional.cross_entropy(ref(xr, ei), y).backward()
+        torch.nn.functional.cross_entropy(fast(xf, ei), y).backward()
+    torch.testing.assert_close(xf.grad, xr.grad, rtol=1e-4, atol=1e-5)
+    assert not any("constant input" in n for n in fast.report()["notes"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_inference_mode_first_then_training(kind):
+    """What the caches keep (the adj_t, GCN's normalisation, the constant aggregation) is built
+    outside inference mode even when an inference_mode call fills them: autograd cannot save an
+    inference tensor, so a training call afterwards failed when it got one."""
+    torch.manual_seed(0)
+    x, ei, y = _task()
+    ref = Net(kind, x.shape[1], 16, 4)
+    fast = gnn.optimize(copy.deepcopy(ref))
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)
+        fast(x, ei)
+    if kind != "gcn":
+        assert _notes(fast)["aggregation of a constant input: cached"] == 1
+    loss_f = torch.nn.functional.cross_entropy(fast(x, ei), y)
+    loss_f.backward()
+    torch.nn.functional.cross_entropy(ref(x, ei), y).backward()
+    for (name, p_r), p_f in zip(ref.named_parameters(), fast.model.parameters()):
+        torch.testing.assert_close(p_f.grad, p_r.grad, rtol=1e-4, atol=1e-5, msg=f"grad of {name}")
+
+
+def test_constant_input_aggregation_bound_off_and_bad_values():
+    torch.manual_seed(0)
+    x, ei, y = _task()
+    ref = Net("sage_mean", x.shape[1], 16, 4)
+    tiny = gnn.optimize(copy.deepcopy(ref), aggregation_cache_mb=0.001)  # 1 KiB: a 300 x 12 result does not fit
+    off = gnn.optimize(copy.deepcopy(ref), aggregation_cache_mb=0)
+    for fast in (tiny, off):
+        for _ in range(2):
+            torch.testing.assert_close(fast(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)
+    assert _notes(tiny)["aggregation of a constant input: computed, over the cache bound"] == 2
+    assert not any("constant input" in n for n in off.report()["notes"])
+    for bad in (-1, "64", True, float("nan")):
+        with pytest.raises(ValueError, match="aggregation_cache_mb"):
+            gnn.optimize(copy.deepcopy(ref), aggregation_cache_mb=bad)
+
+
+def test_constant_input_aggregation_skipped_for_hooks_and_learnable_aggregations():
+    from torch_geometric.nn.aggr import SoftmaxAggregation
+
+    torch.manual_seed(0)
+    x, ei, y = _task()
+    ref = Net("sage_mean", x.shape[1], 16, 4)
+    fast = gnn.optimize(copy.deepcopy(ref))
+    seen = []
+    fast.model.c1.register_propagate_forward_hook(lambda m, inp, out: seen.append(1))
+    for _ in range(2):
+        torch.testing.assert_close(fast(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)
+    assert len(seen) == 2 and not any("constant input" in n for n in fast.report()["notes"])
+    learn = SAGEConv(x.shape[1], 4, aggr=SoftmaxAggregation(learn=True))
+    assert gpyg.aggregation_cache_layers(learn) == []
+
+
+@pytest.mark.parametrize("conv", ["gat", "edge_weight_scatter"])
+def test_inference_mode_first_then_training_attention_and_scatter_paths(conv):
+    from torch_geometric.nn import GATConv
+
+    torch.manual_seed(0)
+    x, ei, y = _task()
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = GATConv(x.shape[1], 4, heads=2, concat=False) if conv == "gat" else GraphConv(x.shape[1], 4)
+
+        def forward(self, x, edge_index, edge_weight=None):
+            return self.c(x, edge_index) if conv == "gat" else self.c(x, edge_index, edge_weight)
+
+    ref = M()
+    fast = gnn.optimize(copy.deepcopy(ref))
+    w = torch.rand(ei.shape[1]) if conv != "gat" else None
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x, ei, w), ref(x, ei, w), rtol=1e-4, atol=1e-5)
+    torch.nn.functional.cross_entropy(fast(x, ei, w), y).backward()
+    torch.nn.functional.cross_entropy(ref(x, ei, w), y).backward()
+    for (name, p_r), p_f in zip(ref.named_parameters(), fast.model.parameters()):
+        torch.testing.assert_close(p_f.grad, p_r.grad, rtol=1e-4, atol=1e-5, msg=f"grad of {name}")
