@@ -50,13 +50,15 @@ static inline __m256i KFN(co_ts_mask)(int64_t n) { /* lanes [0, n) on, n in [0, 
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), idx);
 }
 
-/* c0/c1[r] += a[r * rs + k * ks] * bp[k, 0:16] over k in [0, K), rows r in [0, R): the rank-1
- * updates of a 6 x 16 register tile (bp: a packed 16-column panel or strip, K x 16) */
+/* c0/c1[r] += a[r * rs + k * ks] * bp[k * bs + 0:16] over k in [0, K), rows r in [0, R): the rank-1
+ * updates of a 6 x 16 register tile (bp: a packed 16-column panel or strip, K x 16 with bs = 16, or
+ * 16 columns of a row-major matrix with row stride bs) */
 static inline __attribute__((always_inline)) void
-KFN(co_ts_fma)(const int R, const float *a, int64_t rs, int64_t ks, const float *bp, int64_t K, __m256 *c0, __m256 *c1) {
+KFN(co_ts_fma)(const int R, const float *a, int64_t rs, int64_t ks, const float *bp, int64_t bs, int64_t K,
+               __m256 *c0, __m256 *c1) {
 #pragma GCC unroll 4
     for (int64_t k = 0; k < K; ++k) {
-        const __m256 b0 = _mm256_load_ps(bp + k * CO_TS_NR), b1 = _mm256_load_ps(bp + k * CO_TS_NR + 8);
+        const __m256 b0 = _mm256_loadu_ps(bp + k * bs), b1 = _mm256_loadu_ps(bp + k * bs + 8);
 #pragma GCC unroll 6
         for (int r = 0; r < R; ++r) {
             const __m256 av = _mm256_broadcast_ss(a + r * rs + k * ks);
@@ -73,8 +75,8 @@ KFN(co_ts_tile)(const int R, const float *a, int64_t K, const float *bp, const f
     __m256 c0[CO_TS_MR], c1[CO_TS_MR];
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
-    KFN(co_ts_fma)(R, a, K, 1, bp, K, c0, c1);
-    if (a2) KFN(co_ts_fma)(R, a2, K2, 1, bp2, K2, c0, c1); /* the second product, into the same registers */
+    KFN(co_ts_fma)(R, a, K, 1, bp, CO_TS_NR, K, c0, c1);
+    if (a2) KFN(co_ts_fma)(R, a2, K2, 1, bp2, CO_TS_NR, K2, c0, c1); /* the second product, into the same registers */
     if (ncols == CO_TS_NR) {
         const __m256 bi0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
         const __m256 bi1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
@@ -132,14 +134,15 @@ static void KFN(co_ts_rows)(int64_t R, const float *a, int64_t K, const float *b
     }
 }
 
-/* acc tile (R x 16 at part[i0:, j0:]) += sum over the block's rows m of ap[m, 0:R]^T bp[m, 0:16]:
- * ap is the block's 6-column strip of A packed (L rows x 6), bp its 16-column strip of B (L x 16) */
+/* acc tile (R x 16 at part[i0:, j0:]) += sum over the block's L rows m of a[m, 0:R]^T b[m, 0:16]:
+ * a and b read in place (row strides lda, ldb; b may be the packed tail strip, ldb = 16) */
 static inline __attribute__((always_inline)) void
-KFN(co_ts_tn_tile)(const int R, const float *ap, const float *bp, int64_t L, float *part, int64_t ldp) {
+KFN(co_ts_tn_tile)(const int R, const float *a, int64_t lda, const float *b, int64_t ldb, int64_t L, float *part,
+                   int64_t ldp) {
     __m256 c0[CO_TS_MR], c1[CO_TS_MR];
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
-    KFN(co_ts_fma)(R, ap, 1, CO_TS_MR, bp, L, c0, c1);
+    KFN(co_ts_fma)(R, a, 1, lda, b, ldb, L, c0, c1);
     /* part is padded to a multiple of 16 columns: whole-vector updates are in bounds */
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
@@ -149,59 +152,50 @@ KFN(co_ts_tn_tile)(const int R, const float *ap, const float *bp, int64_t L, flo
     }
 }
 
-/* rows [m0, m1) (at most CO_TS_TN_BLOCK) into the thread's partial; scratch holds the packed strips */
+/* rows [m0, m1) (at most CO_TS_TN_BLOCK) into the thread's partial. A and B are read where they
+ * are (the 6 broadcasts of a tile step are one row of A, its two vectors 16 columns of one row of
+ * B): only a last strip of B narrower than 16 columns is copied, zero-padded, into scratch.
+ * Packing both operands cost a quarter of the arithmetic's time (scalar copies of A's strips). */
 static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int64_t N2, int64_t m0, int64_t m1,
                                 int64_t m_end, float *part, float *colsum, float *scratch) {
     const int64_t ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR, L = m1 - m0;
     const int64_t na = (N1 + CO_TS_MR - 1) / CO_TS_MR, nb = ldp / CO_TS_NR;
-    float *apk = scratch, *bpk = scratch + na * CO_TS_TN_BLOCK * CO_TS_MR;
-    const int64_t fa = N1 / CO_TS_MR, fb = N2 / CO_TS_NR; /* whole strips */
-    for (int64_t m = 0; m < L; ++m) {
-        const float *am = a + (m0 + m) * N1, *bm = b + (m0 + m) * N2;
-        for (int64_t ia = 0; ia < fa; ++ia) {
-            float *d = apk + ia * L * CO_TS_MR + m * CO_TS_MR;
-            const float *s = am + ia * CO_TS_MR;
-            d[0] = s[0]; d[1] = s[1]; d[2] = s[2]; d[3] = s[3]; d[4] = s[4]; d[5] = s[5];
+    const int64_t fb = N2 / CO_TS_NR; /* whole strips of B */
+    const float *ab = a + m0 * N1, *bb = b + m0 * N2;
+    if (fb < nb)
+        for (int64_t m = 0; m < L; ++m) {
+            float *d = scratch + m * CO_TS_NR;
+            const float *s = bb + m * N2 + fb * CO_TS_NR;
+            for (int64_t j = 0; j < CO_TS_NR; ++j) d[j] = fb * CO_TS_NR + j < N2 ? s[j] : 0.f;
         }
-        if (fa < na) {
-            float *d = apk + fa * L * CO_TS_MR + m * CO_TS_MR;
-            for (int64_t r = 0; r < CO_TS_MR; ++r) d[r] = fa * CO_TS_MR + r < N1 ? am[fa * CO_TS_MR + r] : 0.f;
-        }
-        for (int64_t jb = 0; jb < fb; ++jb) {
-            float *d = bpk + jb * L * CO_TS_NR + m * CO_TS_NR;
-            const float *s = bm + jb * CO_TS_NR;
-            _mm256_store_ps(d, _mm256_loadu_ps(s));
-            _mm256_store_ps(d + 8, _mm256_loadu_ps(s + 8));
-        }
-        if (fb < nb) {
-            float *d = bpk + fb * L * CO_TS_NR + m * CO_TS_NR;
-            for (int64_t j = 0; j < CO_TS_NR; ++j) d[j] = fb * CO_TS_NR + j < N2 ? bm[fb * CO_TS_NR + j] : 0.f;
-        }
-        if (colsum)
+    if (colsum)
+        for (int64_t m = 0; m < L; ++m) {
+            const float *am = ab + m * N1;
             for (int64_t i = 0; i < N1; ++i) colsum[i] += am[i];
-    }
+        }
     /* the next block's rows of A and B (contiguous byte ranges), prefetched into L2 a slice per
-     * tile, so that packing them does not wait on memory while the arithmetic here does not use it */
+     * tile, so that reading them does not wait on memory while the arithmetic here does not use it */
     const int64_t mn = m1 + CO_TS_TN_BLOCK < m_end ? m1 + CO_TS_TN_BLOCK : m_end;
     const char *pfa = (const char *)(a + m1 * N1), *pfb = (const char *)(b + m1 * N2);
     const int64_t la = m1 < mn ? ((mn - m1) * N1 * 4 + 63) / 64 : 0, lb = m1 < mn ? ((mn - m1) * N2 * 4 + 63) / 64 : 0;
     const int64_t per_tile = (la + lb + na * nb - 1) / (na * nb);
     int64_t next = 0;
-    for (int64_t ia = 0; ia < na; ++ia) {
-        const int64_t R = N1 - ia * CO_TS_MR < CO_TS_MR ? N1 - ia * CO_TS_MR : CO_TS_MR;
-        const float *ap = apk + ia * L * CO_TS_MR;
-        for (int64_t jb = 0; jb < nb; ++jb) {
+    for (int64_t jb = 0; jb < nb; ++jb) {
+        const float *bp = jb < fb ? bb + jb * CO_TS_NR : scratch;
+        const int64_t ldb = jb < fb ? N2 : CO_TS_NR;
+        for (int64_t ia = 0; ia < na; ++ia) {
+            const int64_t R = N1 - ia * CO_TS_MR < CO_TS_MR ? N1 - ia * CO_TS_MR : CO_TS_MR;
             for (int64_t q = 0; q < per_tile && next < la + lb; ++q, ++next)
                 __builtin_prefetch(next < la ? pfa + next * 64 : pfb + (next - la) * 64, 0, 2);
-            const float *bp = bpk + jb * L * CO_TS_NR;
+            const float *ap = ab + ia * CO_TS_MR;
             float *pt = part + ia * CO_TS_MR * ldp + jb * CO_TS_NR;
             switch (R) {
-            case 6: KFN(co_ts_tn_tile)(6, ap, bp, L, pt, ldp); break;
-            case 5: KFN(co_ts_tn_tile)(5, ap, bp, L, pt, ldp); break;
-            case 4: KFN(co_ts_tn_tile)(4, ap, bp, L, pt, ldp); break;
-            case 3: KFN(co_ts_tn_tile)(3, ap, bp, L, pt, ldp); break;
-            case 2: KFN(co_ts_tn_tile)(2, ap, bp, L, pt, ldp); break;
-            default: KFN(co_ts_tn_tile)(1, ap, bp, L, pt, ldp); break;
+            case 6: KFN(co_ts_tn_tile)(6, ap, N1, bp, ldb, L, pt, ldp); break;
+            case 5: KFN(co_ts_tn_tile)(5, ap, N1, bp, ldb, L, pt, ldp); break;
+            case 4: KFN(co_ts_tn_tile)(4, ap, N1, bp, ldb, L, pt, ldp); break;
+            case 3: KFN(co_ts_tn_tile)(3, ap, N1, bp, ldb, L, pt, ldp); break;
+            case 2: KFN(co_ts_tn_tile)(2, ap, N1, bp, ldb, L, pt, ldp); break;
+            default: KFN(co_ts_tn_tile)(1, ap, N1, bp, ldb, L, pt, ldp); break;
             }
         }
     }
@@ -306,8 +300,8 @@ int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *
     int nt = want < nthreads ? (int)want : nthreads;
     if (nt < 1) nt = 1;
     const size_t psz = (size_t)(N1 * ldp + N1); /* the padded partial, then the partial column sums */
-    /* per thread: the packed strips of one block of rows (64-byte aligned) */
-    const size_t ssz = ((size_t)(((N1 + CO_TS_MR - 1) / CO_TS_MR * CO_TS_MR + ldp) * CO_TS_TN_BLOCK) + 15) / 16 * 16;
+    /* per thread: a block's last strip of B when N2 is not a multiple of 16, zero-padded (64-byte aligned) */
+    const size_t ssz = (size_t)CO_TS_TN_BLOCK * CO_TS_NR;
     float *part = (float *)calloc((size_t)nt * psz, sizeof(float));
     float *scratch = (float *)aligned_alloc(64, (size_t)nt * ssz * sizeof(float));
     if (!part || !scratch) {
