@@ -946,60 +946,54 @@ def aggregation_cache_layers(model: torch.nn.Module) -> list:
 
 
 class _AggregationCache:
-    """``propagate`` results of layers whose source features are a tensor the caller handed to the
-    model and that needs no gradient (the node features into the first layer, the same every epoch
-    of full-batch training), on a graph this wrapper converted: kept across calls, one per layer.
-    A hit needs the same graph object, the same features by content (:func:`native.fingerprint`,
-    as the graph cache), shapes, strides, dtype, ``size`` and aggregation, and the cached tensor
-    unchanged since (``_version``); anything else computes and replaces it. Computed outside
-    inference mode, so that training calls can save it for backward. Results larger than what is
-    left of ``max_bytes`` are not kept."""
+    """Aggregations of a tensor the caller handed to the model that needs no gradient (the node
+    features into the first layer, the same every epoch of full-batch training), on a graph this
+    wrapper converted: kept across calls, one per layer. A hit needs the same graph object, the
+    same features by content (:func:`native.fingerprint`, as the graph cache), shapes, strides,
+    dtype, ``size``, aggregation (and GINConv's ``eps``), and the cached tensor unchanged since
+    (``_version``); anything else computes and replaces it. Computed outside inference mode, so
+    that training calls can save it for backward. Results larger than what is left of
+    ``max_bytes`` are not kept."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
-        self._entries: dict = {}  # layer -> (key, graph, out, out._version)
+        self._entries: dict = {}  # layer -> (key, graph, out, version of out)
         self._lock = threading.Lock()
 
-    def _bytes(self, skip=None) -> int:
-        return sum(e[2].numel() * e[2].element_size() for m, e in self._entries.items() if m is not skip)
+    def _bytes(self) -> int:
+        return sum(e[2].numel() * e[2].element_size() for e in self._entries.values())
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
 
-    def propagate(self, conv, orig, graph, inputs, notes: Counter):
-        """``conv.propagate`` for one call of the wrapped model: ``graph`` is the adj_t made for it,
-        ``inputs`` the tensors the caller passed."""
-
-        def run(edge_index, size=None, **kwargs):
-            x = kwargs.get("x")
-            x0, x1 = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
-            if (edge_index is not graph or set(kwargs) - {"x", "edge_weight"} or kwargs.get("edge_weight") is not None
-                    or not isinstance(x0, torch.Tensor) or x0.requires_grad or x0.layout != torch.strided
-                    or not any(x0 is t for t in inputs) or conv.explain or conv.decomposed_layers != 1
-                    or any(getattr(conv, h, None) for h in _MP_HOOKS)):
-                return orig(edge_index, size=size, **kwargs)
-            key = (native.fingerprint(x0), tuple(x0.shape), x0.stride(), x0.dtype,
-                   None if x1 is None else (tuple(x1.shape), x1.dtype), None if size is None else tuple(size),
-                   conv.aggr)
-            with self._lock:
-                e = self._entries.get(conv)
-            if e is not None and e[0] == key and e[1] is graph and _version(e[2]) == e[3]:
-                notes["aggregation of a constant input: cached"] += 1
-                return e[2]
-            with outside_inference_mode():  # a normal tensor: later training calls can save it for backward
-                out = orig(edge_index, size=size, **kwargs)
-            with self._lock:
-                self._entries.pop(conv, None)
-                if (isinstance(out, torch.Tensor) and not out.requires_grad
-                        and self._bytes() + out.numel() * out.element_size() <= self.max_bytes):
-                    self._entries[conv] = (key, graph, out, _version(out))
-                    notes["aggregation of a constant input: computed and kept"] += 1
-                else:
-                    notes["aggregation of a constant input: computed, over the cache bound"] += 1
-            return out
-
-        return run
+    def lookup(self, conv, call, edge_index, x0, x1, size, tag, compute):
+        """``compute()``, or what it returned before for the same inputs; ``call`` is the
+        wrapper's current call (:data:`_agg_call`)."""
+        _, graph, inputs, notes = call
+        if (edge_index is not graph or not isinstance(x0, torch.Tensor) or x0.requires_grad
+                or x0.layout != torch.strided or not any(x0 is t for t in inputs) or conv.explain
+                or conv.decomposed_layers != 1 or any(getattr(conv, h, None) for h in _MP_HOOKS)):
+            return compute()
+        key = (native.fingerprint(x0), tuple(x0.shape), x0.stride(), x0.dtype,
+               None if x1 is None else (tuple(x1.shape), x1.dtype), None if size is None else tuple(size),
+               conv.aggr, tag)
+        with self._lock:
+            e = self._entries.get(conv)
+        if e is not None and e[0] == key and e[1] is graph and _version(e[2]) == e[3]:
+            notes["aggregation of a constant input: cached"] += 1
+            return e[2]
+        with outside_inference_mode():  # a normal tensor: later training calls can save it for backward
+            out = compute()
+        with self._lock:
+            self._entries.pop(conv, None)
+            if (isinstance(out, torch.Tensor) and not out.requires_grad
+                    and self._bytes() + out.numel() * out.element_size() <= self.max_bytes):
+                self._entries[conv] = (key, graph, out, _version(out))
+                notes["aggregation of a constant input: computed and kept"] += 1
+            else:
+                notes["aggregation of a constant input: computed, over the cache bound"] += 1
+        return out
 
 
 def _version(t: torch.Tensor):
@@ -1007,8 +1001,48 @@ def _version(t: torch.Tensor):
     return None if t.is_inference() else t._version
 
 
+# (cache, graph, inputs, notes) of the wrapped model's current call in this thread: its
+# _AggregationCache, the adj_t it converted, the tensors the caller passed, the wrapper's notes; None
+# outside one (or when nothing was converted or the cache is off)
+_agg_call: contextvars.ContextVar = contextvars.ContextVar("cpu_opt_gnn_aggregation_call", default=None)
+
+
+def _cached_propagate(conv, orig):
+    def propagate(edge_index, size=None, **kwargs):
+        call = _agg_call.get()
+        x = kwargs.get("x")
+        if call is None or set(kwargs) - {"x", "edge_weight"} or kwargs.get("edge_weight") is not None:
+            return orig(edge_index, size=size, **kwargs)
+        x0, x1 = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
+        return call[0].lookup(conv, call, edge_index, x0, x1, size, None, lambda: orig(edge_index, size=size, **kwargs))
+
+    propagate.__wrapped__ = orig
+    return propagate
+
+
+def _gin_forward_root(self, x, edge_index, size=None):
+    """GINConv.forward with ``out + (1 + eps) * x_r`` in one pass (:func:`_add_root`); when the
+    input is constant (:class:`_AggregationCache`) and ``eps`` is not trained, the whole
+    ``aggr(x) + (1 + eps) x`` is kept, not only the aggregation."""
+    if isinstance(x, torch.Tensor):
+        x = (x, x)
+    x_r = x[1]
+    call = _agg_call.get()
+
+    def h(propagate):
+        out = propagate(edge_index, x=x, size=size)
+        return out if x_r is None else _add_root(self, out, x_r)
+
+    if call is not None and x_r is x[0] and not (isinstance(self.eps, torch.Tensor) and self.eps.requires_grad):
+        # PyG's propagate underneath the caching one: one kept result per layer, this one
+        plain = getattr(self.propagate, "__wrapped__", self.propagate)
+        return self.nn(call[0].lookup(self, call, edge_index, x[0], None, size, ("root", float(self.eps)),
+                                      lambda: h(plain)))
+    return self.nn(h(self.propagate))
+
+
 @contextlib.contextmanager
-def _propagates(layers: list, cache: _AggregationCache, graph, inputs, notes: Counter):
+def _propagates(layers: list):
     """Route each layer's ``propagate`` through ``cache`` for one call (instance attribute: PyG sets
     its own there for explain mode and decomposed layers, which is put back afterwards)."""
     import types
@@ -1017,8 +1051,7 @@ def _propagates(layers: list, cache: _AggregationCache, graph, inputs, notes: Co
     for m in layers:
         own = m.__dict__.get("propagate")
         saved.append((m, own))
-        m.propagate = cache.propagate(m, own if own is not None else types.MethodType(type(m).propagate, m),
-                                      graph, inputs, notes)
+        m.propagate = _cached_propagate(m, own if own is not None else types.MethodType(type(m).propagate, m))
     try:
         yield
     finally:
@@ -1087,9 +1120,13 @@ class OptimizedGNN(torch.nn.Module):
             if m in self._attention and type(m).__name__ != "GATConv" and m.edge_dim is not None:
                 what += "; PyG's forward for calls with edge_attr"
             self._notes[f"{type(m).__name__}(heads={m.heads}, {m.out_channels} per head): {what}"] += 1
-        self._forwards = {**linears, **fused_root, **self._linear_first, **attention}
-        self._onednn_linear = onednn_linear
         self._agg_layers = aggregation_cache_layers(model) if aggregation_cache_mb else []
+        from torch_geometric.nn import GINConv
+
+        gin_root = {m: _gin_forward_root for m in model.modules()
+                    if type(m) is GINConv and m not in self._linear_first and "forward" not in m.__dict__}
+        self._forwards = {**linears, **fused_root, **gin_root, **self._linear_first, **attention}
+        self._onednn_linear = onednn_linear
         self._agg_cache = _AggregationCache(int((aggregation_cache_mb or 0) * 2**20))
 
     def _adj_t(self, edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
@@ -1134,7 +1171,9 @@ class OptimizedGNN(torch.nn.Module):
             with patched(), _forwards(self._forwards), contextlib.ExitStack() as stack:
                 if graph is not None and self._agg_layers:
                     inputs = [v for v in a.values() if isinstance(v, torch.Tensor) and v is not graph]
-                    stack.enter_context(_propagates(self._agg_layers, self._agg_cache, graph, inputs, self._notes))
+                    stack.enter_context(_propagates(self._agg_layers))
+                    token_agg = _agg_call.set((self._agg_cache, graph, inputs, self._notes))
+                    stack.callback(_agg_call.reset, token_agg)
                 return self.model(*bound.args, **bound.kwargs)
         finally:
             _linear_on.reset(token)
@@ -1161,6 +1200,8 @@ class OptimizedGNN(torch.nn.Module):
             return _ATTENTION_WHY
         if self._forwards.get(m) is _sage_forward_fused_root:
             return _fused_root_what()
+        if self._forwards.get(m) is _gin_forward_root:
+            return "aggr(x) + (1 + eps) x in one pass (kept across calls for a constant input)"
         return "Linear on cpu_opt's tall-skinny GEMM" if _native_linear_route() else "Linear on torch's oneDNN"
 
     def report_text(self) -> str:

@@ -443,3 +443,41 @@ def test_inference_mode_first_then_training_attention_and_scatter_paths(conv):
     torch.nn.functional.cross_entropy(ref(x, ei, w), y).backward()
     for (name, p_r), p_f in zip(ref.named_parameters(), fast.model.parameters()):
         torch.testing.assert_close(p_f.grad, p_r.grad, rtol=1e-4, atol=1e-5, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("train_eps", [False, True])
+def test_gin_root_term_kept_only_when_eps_is_fixed(train_eps):
+    """GINConv's aggr(x) + (1 + eps) x is kept whole for a constant input when eps is not trained;
+    with a trained eps only the aggregation is kept, and eps still gets PyG's gradient."""
+    torch.manual_seed(0)
+    x, ei, y = _task()
+
+    def gin(i, o):
+        return GINConv(torch.nn.Sequential(torch.nn.Linear(i, o), torch.nn.ReLU(), torch.nn.Linear(o, o)),
+                       eps=0.25, train_eps=train_eps)
+
+    class G(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2 = gin(x.shape[1], 16), gin(16, 4)
+
+        def forward(self, x, edge_index):
+            return self.c2(self.c1(x, edge_index).relu(), edge_index)
+
+    ref = G()
+    fast_model = copy.deepcopy(ref)
+    fast = gnn.optimize(fast_model)
+    kept = []
+    for model, params in ((ref, ref.parameters()), (fast, fast_model.parameters())):
+        opt = torch.optim.Adam(params, lr=0.01)
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x, ei), y).backward()
+            opt.step()
+        if model is fast:
+            kept = [e[0][-1] for e in fast._agg_cache._entries.values()]
+    for (name, p_r), p_f in zip(ref.named_parameters(), fast_model.parameters()):
+        torch.testing.assert_close(p_f, p_r, rtol=1e-4, atol=1e-5, msg=name)
+    assert _notes(fast)["aggregation of a constant input: cached"] == 2
+    assert kept == ([None] if train_eps else [("root", 0.25)])
+    assert any("aggr(x) + (1 + eps) x" in r["why"] for r in fast.report()["routed"])
