@@ -25,6 +25,7 @@
 #define CO_TS_MAX_DIM 1024
 #define CO_TS_NR 16         /* panel width: 2 AVX2 vectors */
 #define CO_TS_MR 6          /* rows per register tile */
+#define CO_TS_MR8 12        /* rows per register tile when N <= 8 (one vector of columns) */
 #ifndef CO_TS_TN_BLOCK
 #define CO_TS_TN_BLOCK 128  /* rows of A and B per pass of the weight-gradient kernel: their packed strips stay in L2 */
 #endif
@@ -116,8 +117,56 @@ KFN(co_ts_tile)(const int R, const float *a, int64_t K, const float *bp, const f
     }
 }
 
+/* N <= 8: rows [0, R) (R <= 12) of C from one 8-column vector per k and R broadcasts. The 6 x 16
+ * tile would compute 16 columns of which 8 or fewer are kept: half its multiply-adds wasted. */
+static inline __attribute__((always_inline)) void
+KFN(co_ts_tile8)(const int R, const float *a, int64_t K, const float *bp, const float *a2, int64_t K2,
+                 const float *bp2, const float *bias, int acc, float *c, int64_t ncols) {
+    __m256 c0[CO_TS_MR8];
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) c0[r] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < K; ++k) {
+        const __m256 b0 = _mm256_load_ps(bp + k * CO_TS_NR);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) c0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(a + r * K + k), b0, c0[r]);
+    }
+    if (a2)
+#pragma GCC unroll 2
+        for (int64_t k = 0; k < K2; ++k) {
+            const __m256 b0 = _mm256_load_ps(bp2 + k * CO_TS_NR);
+#pragma GCC unroll 12
+            for (int r = 0; r < R; ++r) c0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(a2 + r * K2 + k), b0, c0[r]);
+        }
+    const __m256i m0 = KFN(co_ts_mask)(ncols);
+    const __m256 bi = bias ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+        float *cr = c + r * ncols;
+        __m256 v = _mm256_add_ps(c0[r], bi);
+        if (ncols == 8 && acc == 2) {
+            _mm256_stream_ps(cr, v);
+        } else if (ncols == 8) {
+            if (acc == 1) v = _mm256_add_ps(v, _mm256_loadu_ps(cr));
+            _mm256_storeu_ps(cr, v);
+        } else {
+            if (acc == 1) v = _mm256_add_ps(v, _mm256_maskload_ps(cr, m0));
+            _mm256_maskstore_ps(cr, m0, v);
+        }
+    }
+}
+
 static void KFN(co_ts_rows)(int64_t R, const float *a, int64_t K, const float *bp, const float *a2, int64_t K2,
                             const float *bp2, int64_t N, const float *bias, int acc, float *c) {
+    if (N <= 8) {
+        switch (R) {
+#define CO_TS_T8(n) case n: KFN(co_ts_tile8)(n, a, K, bp, a2, K2, bp2, bias, acc, c, N); return;
+        CO_TS_T8(12) CO_TS_T8(11) CO_TS_T8(10) CO_TS_T8(9) CO_TS_T8(8) CO_TS_T8(7)
+        CO_TS_T8(6) CO_TS_T8(5) CO_TS_T8(4) CO_TS_T8(3) CO_TS_T8(2)
+#undef CO_TS_T8
+        default: KFN(co_ts_tile8)(1, a, K, bp, a2, K2, bp2, bias, acc, c, N); return;
+        }
+    }
     for (int64_t n0 = 0; n0 < N; n0 += CO_TS_NR) {
         const float *p = bp + (n0 / CO_TS_NR) * K * CO_TS_NR;
         const float *p2 = a2 ? bp2 + (n0 / CO_TS_NR) * K2 * CO_TS_NR : NULL;
@@ -256,7 +305,8 @@ static int64_t KFN(co_ts_nn)(const float *a, int64_t M, int64_t K, const float *
     const int64_t want = (M * (K + k2) * N + (1 << 21) - 1) >> 21;
     int nt = want < nthreads ? (int)want : nthreads;
     if (nt < 1) nt = 1;
-    const int64_t tiles = (M + CO_TS_MR - 1) / CO_TS_MR;
+    const int64_t mr = N <= 8 ? CO_TS_MR8 : CO_TS_MR; /* rows per tile */
+    const int64_t tiles = (M + mr - 1) / mr;
     /* 1: C += ...; 2: C = ... with streaming stores (C 32-byte aligned, rows whole vectors, and
      * beyond the L2 caches: 8 MiB); 0: C = ... */
     const int mode = accumulate ? 1 : (((uintptr_t)c & 31) == 0 && N % 8 == 0 && M * N >= ((int64_t)1 << 21)) ? 2 : 0;
@@ -264,11 +314,11 @@ static int64_t KFN(co_ts_nn)(const float *a, int64_t M, int64_t K, const float *
     {
         const int t = nt > 1 ? omp_get_thread_num() : 0;
         const int n_t = nt > 1 ? omp_get_num_threads() : 1;
-        const int64_t r0 = tiles * t / n_t * CO_TS_MR;
-        int64_t r1 = tiles * (t + 1) / n_t * CO_TS_MR;
+        const int64_t r0 = tiles * t / n_t * mr;
+        int64_t r1 = tiles * (t + 1) / n_t * mr;
         if (r1 > M) r1 = M;
-        for (int64_t r = r0; r < r1; r += CO_TS_MR) {
-            const int64_t R = r1 - r < CO_TS_MR ? r1 - r : CO_TS_MR;
+        for (int64_t r = r0; r < r1; r += mr) {
+            const int64_t R = r1 - r < mr ? r1 - r : mr;
             KFN(co_ts_rows)(R, a + r * K, K, bp, a2 ? a2 + r * K2 : NULL, k2, bp2, N, bias, mode, c + r * N);
         }
 #if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)

@@ -34,7 +34,10 @@ def _rel(got, ref):
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 1, 1), (5, 3, 7), (13, 8, 64), (6, 64, 8), (100, 64, 64), (101, 17, 33),
-                                   (7, 100, 129), (40000, 64, 64), (2, 1024, 5)])
+                                   (7, 100, 129), (40000, 64, 64), (2, 1024, 5),
+                                   # N <= 8 runs 12 x 8 tiles: remainders of 12 rows, masked columns,
+                                   # streaming stores (M * N >= 2^21 with N = 8)
+                                   (25, 9, 8), (100003, 64, 3), (262147, 16, 8)])
 def test_nn_matches_float64_in_every_variant_and_thread_count(M, K, N):
     g = torch.Generator().manual_seed(M + 31 * K + N)
     a = torch.randn(M, K, generator=g)
@@ -221,7 +224,8 @@ def test_outputs_are_fresh_tensors_each_call():
 
 def test_linear_sum_kernel_matches_float64_and_checks_its_arguments():
     g = torch.Generator().manual_seed(9)
-    for M, K1, K2, N in [(1, 1, 1, 1), (13, 64, 32, 8), (40000, 64, 64, 64), (7, 5, 100, 33)]:
+    for M, K1, K2, N in [(1, 1, 1, 1), (13, 64, 32, 8), (40000, 64, 64, 64), (7, 5, 100, 33), (40001, 64, 64, 8),
+                         (29, 7, 9, 5)]:
         a1, a2 = torch.randn(M, K1, generator=g), torch.randn(M, K2, generator=g)
         w1, w2, b = torch.randn(N, K1, generator=g), torch.randn(N, K2, generator=g), torch.randn(N, generator=g)
         ref = a1.double() @ w1.double().t() + a2.double() @ w2.double().t()
