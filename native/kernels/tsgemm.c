@@ -5,7 +5,9 @@
  * much as the arithmetic; N1 x N2 = 64 x 64 with K = 10^5: one small output, a reduction split
  * across threads): torch's oneDNN runs 100000 x 64 x 64 at ~64 GFLOP/s on 2 Zen 3 cores, MKL's mm
  * the weight gradient at ~60. Here the small operand is packed once per call into 16-column panels
- * that stay in L1, and A is streamed through once, 6 rows at a time, into a 6 x 16 register tile.
+ * that stay in L1, and A is streamed through once, 6 rows at a time, into a 6 x 16 register tile
+ * (12 rows into a 12 x 8 tile when N <= 8). The weight gradient reads A and B where they are,
+ * CO_TS_TN_BLOCK rows at a time, each 6 x 16 tile of the output a pass over the block.
  *
  *   ts_gemm_nn_f32: C (M x N) = A (M x K) B' (+ bias[N]) (+ C when accumulate), B' = B (K x N,
  *                   b_nk = 0: a gradient times a weight) or B^T (B N x K, b_nk = 1: nn.Linear's
