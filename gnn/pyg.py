@@ -47,6 +47,7 @@ import weakref
 from collections import Counter, OrderedDict
 
 import torch
+from torch.autograd import forward_ad
 
 from cpu_opt import native
 from cpu_opt.backends import native_linear
@@ -957,7 +958,7 @@ class _AggregationCache:
 
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
-        self._entries: dict = {}  # layer -> (key, graph, out, version of out)
+        self._entries: dict = {}  # layer -> (key, weakref to the graph, out, version of out)
         self._lock = threading.Lock()
 
     def _bytes(self) -> int:
@@ -971,16 +972,19 @@ class _AggregationCache:
         """``compute()``, or what it returned before for the same inputs; ``call`` is the
         wrapper's current call (:data:`_agg_call`)."""
         _, graph, inputs, notes = call
-        if (edge_index is not graph or not isinstance(x0, torch.Tensor) or x0.requires_grad
-                or x0.layout != torch.strided or not any(x0 is t for t in inputs) or conv.explain
-                or conv.decomposed_layers != 1 or any(getattr(conv, h, None) for h in _MP_HOOKS)):
+        if (torch.compiler.is_compiling()  # a traced graph would hold the result as a constant
+                or edge_index is not graph or not isinstance(x0, torch.Tensor) or x0.requires_grad
+                or x0.layout != torch.strided or not any(x0 is t for t in inputs)
+                or forward_ad.unpack_dual(x0).tangent is not None  # forward-mode AD: not a constant
+                or not (isinstance(conv.aggr, str) and conv.aggr in _CONSTANT_AGGR)  # changed since optimize
+                or conv.explain or conv.decomposed_layers != 1 or any(getattr(conv, h, None) for h in _MP_HOOKS)):
             return compute()
         key = (native.fingerprint(x0), tuple(x0.shape), x0.stride(), x0.dtype,
                None if x1 is None else (tuple(x1.shape), x1.dtype), None if size is None else tuple(size),
                conv.aggr, tag)
         with self._lock:
             e = self._entries.get(conv)
-        if e is not None and e[0] == key and e[1] is graph and _version(e[2]) == e[3]:
+        if e is not None and e[0] == key and e[1]() is graph and _version(e[2]) == e[3]:
             notes["aggregation of a constant input: cached"] += 1
             return e[2]
         with outside_inference_mode():  # a normal tensor: later training calls can save it for backward
@@ -989,7 +993,8 @@ class _AggregationCache:
             self._entries.pop(conv, None)
             if (isinstance(out, torch.Tensor) and not out.requires_grad
                     and self._bytes() + out.numel() * out.element_size() <= self.max_bytes):
-                self._entries[conv] = (key, graph, out, _version(out))
+                # the graph by weak reference: an entry does not keep a graph the graph cache dropped
+                self._entries[conv] = (key, weakref.ref(graph), out, _version(out))
                 notes["aggregation of a constant input: computed and kept"] += 1
             else:
                 notes["aggregation of a constant input: computed, over the cache bound"] += 1
@@ -1007,7 +1012,7 @@ def _version(t: torch.Tensor):
 _agg_call: contextvars.ContextVar = contextvars.ContextVar("cpu_opt_gnn_aggregation_call", default=None)
 
 
-def _cached_propagate(conv, orig):
+def _cached_propagate(conv, orig, prior):
     def propagate(edge_index, size=None, **kwargs):
         call = _agg_call.get()
         x = kwargs.get("x")
@@ -1017,6 +1022,7 @@ def _cached_propagate(conv, orig):
         return call[0].lookup(conv, call, edge_index, x0, x1, size, None, lambda: orig(edge_index, size=size, **kwargs))
 
     propagate.__wrapped__ = orig
+    propagate._cpu_opt_prior = prior  # the instance's own propagate before any wrapper (None: the class's)
     return propagate
 
 
@@ -1036,9 +1042,15 @@ def _gin_forward_root(self, x, edge_index, size=None):
     if call is not None and x_r is x[0] and not (isinstance(self.eps, torch.Tensor) and self.eps.requires_grad):
         # PyG's propagate underneath the caching one: one kept result per layer, this one
         plain = getattr(self.propagate, "__wrapped__", self.propagate)
-        return self.nn(call[0].lookup(self, call, edge_index, x[0], None, size, ("root", float(self.eps)),
-                                      lambda: h(plain)))
-    return self.nn(h(self.propagate))
+        h_ = call[0].lookup(self, call, edge_index, x[0], None, size, ("root", float(self.eps)), lambda: h(plain))
+    else:
+        h_ = h(self.propagate)
+    out = self.nn(h_)
+    # an nn that hands back its input (Identity, eval-mode Dropout) must not return a kept tensor:
+    # the caller could change it, and the next call would return the same object again
+    if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() == h_.untyped_storage().data_ptr():
+        out = out.clone()
+    return out
 
 
 @contextlib.contextmanager
@@ -1050,12 +1062,14 @@ def _propagates(layers: list):
     saved = []
     for m in layers:
         own = m.__dict__.get("propagate")
+        if hasattr(own, "_cpu_opt_prior"):  # another thread's call is running: wrap what it wrapped
+            own = own._cpu_opt_prior
         saved.append((m, own))
-        m.propagate = _cached_propagate(m, own if own is not None else types.MethodType(type(m).propagate, m))
+        m.propagate = _cached_propagate(m, own if own is not None else types.MethodType(type(m).propagate, m), own)
     try:
         yield
     finally:
-        for m, own in saved:
+        for m, own in saved:  # back to what was there before any call (never another call's wrapper)
             if own is None:
                 m.__dict__.pop("propagate", None)
             else:
@@ -1075,7 +1089,7 @@ class OptimizedGNN(torch.nn.Module):
         super().__init__()
         if aggregation_cache_mb is not None and (isinstance(aggregation_cache_mb, bool)
                                                  or not isinstance(aggregation_cache_mb, (int, float))
-                                                 or not aggregation_cache_mb >= 0):
+                                                 or not 0 <= aggregation_cache_mb < math.inf):
             raise ValueError(f"aggregation_cache_mb must be a number of MiB >= 0 or None (no cache), "
                              f"got {aggregation_cache_mb!r}")
         self.model = model
@@ -1123,7 +1137,7 @@ class OptimizedGNN(torch.nn.Module):
         self._agg_layers = aggregation_cache_layers(model) if aggregation_cache_mb else []
         from torch_geometric.nn import GINConv
 
-        gin_root = {m: _gin_forward_root for m in model.modules()
+        gin_root = {m: _gin_forward_root for m in aggregation_cache_layers(model)
                     if type(m) is GINConv and m not in self._linear_first and "forward" not in m.__dict__}
         self._forwards = {**linears, **fused_root, **gin_root, **self._linear_first, **attention}
         self._onednn_linear = onednn_linear

@@ -398,7 +398,7 @@ def test_constant_input_aggregation_bound_off_and_bad_values():
             torch.testing.assert_close(fast(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)
     assert _notes(tiny)["aggregation of a constant input: computed, over the cache bound"] == 2
     assert not any("constant input" in n for n in off.report()["notes"])
-    for bad in (-1, "64", True, float("nan")):
+    for bad in (-1, "64", True, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="aggregation_cache_mb"):
             gnn.optimize(copy.deepcopy(ref), aggregation_cache_mb=bad)
 
@@ -481,3 +481,126 @@ def test_gin_root_term_kept_only_when_eps_is_fixed(train_eps):
     assert _notes(fast)["aggregation of a constant input: cached"] == 2
     assert kept == ([None] if train_eps else [("root", 0.25)])
     assert any("aggr(x) + (1 + eps) x" in r["why"] for r in fast.report()["routed"])
+
+
+def test_constant_input_aggregation_never_returned_to_the_caller():
+    """A GINConv whose nn hands back its input (Identity) must not return the kept tensor: the
+    caller could change it (numpy, .data, in place) and the next call would return it again."""
+    torch.manual_seed(0)
+    x, ei, _ = _task()
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = GINConv(torch.nn.Identity(), eps=0.5)
+
+        def forward(self, x, edge_index):
+            return self.c(x, edge_index)
+
+    ref = M()
+    fast = gnn.optimize(copy.deepcopy(ref))
+    y1 = fast(x, ei)
+    y1.numpy()[:] = 123.0
+    y2 = fast(x, ei)
+    assert y2.untyped_storage().data_ptr() != y1.untyped_storage().data_ptr()
+    torch.testing.assert_close(y2, ref(x, ei), rtol=1e-5, atol=1e-5)
+    assert _notes(fast)["aggregation of a constant input: cached"] == 1
+    y2.mul_(0)
+    torch.testing.assert_close(fast(x, ei), ref(x, ei), rtol=1e-5, atol=1e-5)
+
+
+def test_learnable_aggregation_gin_trains_as_pyg_with_no_grad_evaluations_between_steps():
+    """A GINConv with a learnable aggregation is not cached (its result changes as it trains), also
+    when another layer of the model is; evaluations under no_grad between steps must not leave a
+    result without gradient for the next step."""
+    from torch_geometric.nn.aggr import SoftmaxAggregation
+
+    torch.manual_seed(0)
+    x, ei, y = _task()
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            lin = lambda i, o: torch.nn.Sequential(torch.nn.Linear(i, o), torch.nn.ReLU())  # noqa: E731
+            self.c1 = GINConv(lin(x.shape[1], 16), aggr=SoftmaxAggregation(learn=True))
+            self.c2 = GINConv(lin(16, 4))
+            self.c3 = SAGEConv(x.shape[1], 4)
+
+        def forward(self, x, edge_index):
+            return self.c2(self.c1(x, edge_index), edge_index) + self.c3(x, edge_index)
+
+    ref = M()
+    fast_model = copy.deepcopy(ref)
+    fast = gnn.optimize(fast_model)
+    assert fast_model.c1 not in gpyg.aggregation_cache_layers(fast_model)
+    for model, params in ((ref, ref.parameters()), (fast, fast_model.parameters())):
+        opt = torch.optim.SGD(params, lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x, ei), y).backward()
+            opt.step()
+            with torch.no_grad():
+                model(x, ei)
+    for (name, p_r), p_f in zip(ref.named_parameters(), fast_model.parameters()):
+        torch.testing.assert_close(p_f, p_r, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_constant_input_aggregation_skips_forward_mode_ad():
+    """A dual tensor does not require grad, but it is not a constant: no cached aggregation."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    x, ei, _ = _task()
+    ref = Net("sage_mean", x.shape[1], 16, 4)
+    fast = gnn.optimize(copy.deepcopy(ref))
+    fast(x, ei)
+    with fwAD.dual_level():
+        xd = fwAD.make_dual(x, torch.randn_like(x))
+        with pytest.raises(NotImplementedError, match="jvp"):  # the spmm has no forward-mode rule: loud
+            fast(xd, ei)
+    assert "aggregation of a constant input: cached" not in " ".join(fast.report()["notes"])
+
+
+def test_overlapping_calls_from_two_threads_leave_the_layers_as_they_were():
+    import io
+    import threading
+
+    a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
+    x, ei, _ = _task()
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = SAGEConv(x.shape[1], 16, aggr="mean")
+
+        def forward(self, x, edge_index):
+            h = self.c1(x, edge_index)
+            if threading.current_thread().name == "A":
+                a_in.set()
+                b_in.wait(5)
+            elif threading.current_thread().name == "B":
+                b_in.set()
+                a_done.wait(5)
+            return h
+
+    model = M()
+    fast = gnn.optimize(model)
+    want = model(x, ei)
+    got = {}
+
+    def run(name):
+        if name == "B":
+            a_in.wait(5)
+        got[name] = fast(x, ei)
+        if name == "A":
+            a_done.set()
+
+    threads = [threading.Thread(target=run, args=(n,), name=n) for n in ("A", "B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for n in "AB":
+        torch.testing.assert_close(got[n], want, rtol=1e-5, atol=1e-5)
+    assert "propagate" not in model.c1.__dict__ and "forward" not in model.c1.__dict__
+    torch.save(model.c1, io.BytesIO())  # a wrapper left on the layer (a local function) would not pickle
