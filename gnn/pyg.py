@@ -1143,6 +1143,7 @@ class OptimizedGNN(torch.nn.Module):
         self._onednn_linear = onednn_linear
         self._agg_cache = _AggregationCache(int((aggregation_cache_mb or 0) * 2**20))
 
+    @torch.compiler.disable  # dynamo cannot trace the cffi fingerprint; run eagerly, graph-break around it
     def _adj_t(self, edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
         # keyed by the contents of edge_index (see graph._SortCache): a batch written into a reused
         # buffer, through .data or numpy, is a new graph even though its pointer and version are not

@@ -604,3 +604,17 @@ def test_overlapping_calls_from_two_threads_leave_the_layers_as_they_were():
         torch.testing.assert_close(got[n], want, rtol=1e-5, atol=1e-5)
     assert "propagate" not in model.c1.__dict__ and "forward" not in model.c1.__dict__
     torch.save(model.c1, io.BytesIO())  # a wrapper left on the layer (a local function) would not pickle
+
+
+def test_torch_compile_of_the_optimized_model_runs_and_sees_changed_features():
+    """torch.compile(gnn.optimize(model)) failed inside dynamo on the graph cache's fingerprint (a
+    cffi object it cannot guard); that step now runs eagerly, and nothing is cached while tracing."""
+    torch.manual_seed(0)
+    x, ei, _ = _task()
+    ref = Net("sage_mean", x.shape[1], 16, 4)
+    compiled = torch.compile(gnn.optimize(copy.deepcopy(ref)))
+    with torch.no_grad():
+        for step in range(3):
+            if step == 2:
+                x.numpy()[:10] *= -1  # behind torch's back
+            torch.testing.assert_close(compiled(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)
