@@ -537,15 +537,26 @@ def test_optimize_int8_fuses_hardswish_and_chains_uint8(family, monkeypatch):
     from cpu_opt.quant import api
 
     assert family in buildable_families("conv2d")
-    monkeypatch.setattr(api, "choose_family", lambda kind, rows, macs, conv=None:
-                        (family if kind == "conv2d" else "fbgemm", "forced"))
+    from cpu_opt.backends.fbgemm import depthwise_saturates
+
+    # with 8-bit activations (VNNI) FBGEMM cannot take the depthwise layer (choose_family's rule):
+    # forced to FBGEMM, it stays on torch's oneDNN, and its uint8 still chains across the families
+    dw_family = "torch_onednn" if family == "fbgemm" and depthwise_saturates((16, 1, 3, 3), 16, (1, 1)) else family
+
+    def forced(kind, rows, macs, conv=None):
+        if kind != "conv2d":
+            return "fbgemm", "forced"
+        return (dw_family if conv is not None and depthwise_saturates(*conv) else family), "forced"
+
+    monkeypatch.setattr(api, "choose_family", forced)
     torch.manual_seed(0)
     m = with_bn_statistics(HardSwishBlock())
     calib = [(torch.randn(4, 3, 16, 16, generator=gen(700 + i)),) for i in range(N_CALIB)]
     x = torch.randn(2, 3, 16, 16, generator=gen(9))
     opt = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping())
     rows = {li["layer"]: li for li in opt.report()["int8"]}
-    assert {rows[k]["family"] for k in ("stem", "dw", "pw", "se")} == {family}, rows
+    assert {k: rows[k]["family"] for k in ("stem", "dw", "pw", "se")} == \
+        {"stem": family, "dw": dw_family, "pw": family, "se": family}, rows
     assert rows["stem"]["post_op"] == "hardswish" and rows["stem"]["out"] == "uint8 (chained)", rows
     assert rows["dw"]["post_op"] == "hardswish" and rows["dw"]["in"] == "uint8 (chained)", rows
     assert rows["pw"]["post_op"] == "hardswish" and rows["pw"]["residual_add"] is True, rows
