@@ -23,7 +23,8 @@
   graph and checked by content on each call (:class:`_AggregationCache`);
 * the model's Linear layers (torch's and PyG's) on node features run on cpu_opt's tall-skinny
   GEMM (``native/kernels/tsgemm.c``: forward, input gradient, weight and bias gradients in one
-  pass) on AVX2 machines without AVX-512, else on torch's own oneDNN 3.12
+  pass) where the routing table sends ``gnn_linear`` work there (AVX2 without AVX-512; AMD with
+  AVX-512), else on torch's own oneDNN 3.12
   (``mkldnn._linear_pointwise``, forward and input gradient) where the routing table sends fp32
   linear layers there: :func:`linear`.
 
@@ -306,9 +307,12 @@ NATIVE_LINEAR_MAX_K = 64
 @functools.lru_cache(maxsize=None)
 def _native_linear_route() -> bool:
     """Whether node-feature linear layers run on cpu_opt's tall-skinny GEMM here: a vectorized
-    build on an AVX2 CPU without AVX-512 (measured on Zen 3 only; on AVX-512 torch's oneDNN has
-    kernels twice as wide, which this AVX2 code was not measured against)."""
-    return native.vectorized() and "avx512f" not in hw.detect().isa
+    build where the routing table sends ``gnn_linear`` work there (AVX2 without AVX-512, measured on
+    Zen 3; AMD with AVX-512, measured on Zen 4; not Intel's AVX-512, whose addmm is MKL at twice the
+    kernel's width)."""
+    from ..platform import routing
+
+    return native.vectorized() and routing.route("gnn_linear", "fp32").backend == "tall_skinny"
 
 
 @functools.lru_cache(maxsize=None)
@@ -330,9 +334,9 @@ ONEDNN_LINEAR_MIN_ROWS = 16384
 
 
 def linear(x, weight, bias=None):
-    """``torch.nn.functional.linear``; on cpu_opt's tall-skinny GEMM (:class:`_NativeLinear`) on
-    AVX2 CPUs without AVX-512, else on torch's oneDNN 3.12 where the routing table sends fp32
-    linear layers there (``routing.route("linear", "fp32")``, AVX2 machines), for 2-D float32
+    """``torch.nn.functional.linear``; on cpu_opt's tall-skinny GEMM (:class:`_NativeLinear`) where
+    ``routing.route("gnn_linear", "fp32")`` says ``tall_skinny``, else on torch's oneDNN 3.12 where
+    the routing table sends fp32 linear layers there (``routing.route("linear", "fp32")``, AVX2 machines), for 2-D float32
     inputs of at least ``ONEDNN_LINEAR_MIN_ROWS`` rows. Measured here (100k rows, K=64,
     N=8..128, ``torch.addmm`` against ``mkldnn._linear_pointwise``, medians): 1.1-1.9x at 1 thread,
     0.99-1.8x at 2; the input-gradient GEMMs (K=8..32, N=64) 1.3-1.8x."""
@@ -1121,7 +1125,7 @@ class OptimizedGNN(torch.nn.Module):
         linears = linear_layers(model) if onednn_linear else {}
         if linears and _native_linear_route():
             self._notes["Linear layers on cpu_opt's tall-skinny GEMM where float32 with 16384+ rows "
-                        "(AVX2 without AVX-512)"] = len(linears)
+                        "(routing: gnn_linear fp32 -> tall_skinny)"] = len(linears)
         elif linears:
             self._notes["Linear layers on torch's oneDNN where float32 (routing: linear fp32 -> torch_onednn)"] = len(linears)
         fused_root = fused_root_layers(model, self._linear_first) if onednn_linear else {}
@@ -1237,7 +1241,7 @@ def optimize(model: torch.nn.Module, *, edge_arg: str | None = None, index_dtype
     ``index_dtype=torch.int32`` halves the column index traffic. ``linear_first``: narrowing
     SAGEConv (sum/mean) and GINConv layers apply their linear map before aggregating (see the
     module docstring); ``False`` keeps PyG's order exactly. ``onednn_linear``: the model's Linear
-    layers on node features run on cpu_opt's tall-skinny GEMM (AVX2 without AVX-512; SAGEConv's two
+    layers on node features run on cpu_opt's tall-skinny GEMM (routing's ``gnn_linear`` route; SAGEConv's two
     linears then share one output) or on torch's oneDNN where the routing table says so
     (:func:`linear`); ``False`` keeps ``F.linear`` (the name is older than the native kernel). ``fused_attention``: GATConv, GATv2Conv and TransformerConv run their attention on
     cpu_opt's fused kernels (:func:`attention_layers`; PyG's forward for what those do not cover, counted

@@ -19,6 +19,8 @@ Backends:
 ``fbgemm``        torch's x86 int8 engine (FBGEMM)
 ``acl``           Arm Compute Library through torch's oneDNN (aarch64; bf16 fast-math on BF16 cores)
 ``native_<variant>``  cpu_opt's C kernels (avx512 / avx2 / base)
+``tall_skinny``   cpu_opt's tall-skinny GEMM (``native/kernels/tsgemm.c``): ``cpu_opt.gnn``'s node-feature Linear
+                  layers (10^4+ rows by a few dozen features), forward, input and weight gradients
 """
 from __future__ import annotations
 
@@ -27,9 +29,10 @@ from dataclasses import dataclass
 from . import hw
 from .. import native
 
-WORK_KINDS = ("gemm", "linear", "conv", "attention", "gnn")
+WORK_KINDS = ("gemm", "linear", "conv", "attention", "gnn", "gnn_linear")
 # "gemm": any matmul the oneDNN graph takes; "linear": a GEMM against constant weights (nn.Linear, or
-# addmm/mm with a parameter), which can also run on torch's own oneDNN with the weights as they are.
+# addmm/mm with a parameter), which can also run on torch's own oneDNN with the weights as they are;
+# "gnn_linear": cpu_opt.gnn's Linear layers on node features in training (fp32 only).
 DTYPES = ("fp32", "bf16", "int8")
 
 
@@ -253,6 +256,23 @@ RULES: tuple[Rule, ...] = (
     Rule("gnn", "bf16", "native_avx2", "bf16 features are widened to fp32 in registers",
          any_of=(native.VARIANT_REQUIRES["avx2"],)),
     Rule("gnn", "bf16", "native_base", "baseline build"),
+    Rule("gnn_linear", "fp32", "tall_skinny",
+         "100k rows, ms, cpu_opt's tall-skinny GEMM / torch's oneDNN / addmm, K x N: 64x64 6.2 / 6.8 / 11.3, 64x8 2.7 / "
+         "3.6 / 5.0, 8x64 1.4 / 2.4 / 4.2, 64x128 14-16 / 44-46 / 47-51; weight gradients (one pass over g and x) "
+         f"against mm: 64x64 10.5-12.8 / 14.5-17.2, 64x8 4.2-6.1 / 38-52 ({ZEN3})",
+         any_of=(AVX2,), none_of=frozenset({"avx512f"})),
+    Rule("gnn_linear", "fp32", "tall_skinny",
+         "AMD with AVX-512 (its 512-bit FMAs no wider per cycle than two 256-bit ones on Zen 4; torch's addmm is MKL, "
+         "which picks its kernels by the CPUID vendor): 100k rows, ms, 1 | 2 threads, cpu_opt's tall-skinny GEMM / "
+         "torch's oneDNN / addmm, K x N: 64x64 8.35 / 12.2 / 12.7 | 5.24 / 5.45 / 7.59, 64x8 2.18 / 4.57 / 4.82 | "
+         "1.40 / 2.47 / 2.31, 64x128 17.5 / 39.2 / 23.8 | 14.5 / 22.5 / 24.3 (128x64 torch's oneDNN 21.1 | 12.2 vs "
+         "24.1 | 13.4: inner dimensions above 64 keep torch's oneDNN); weight gradients against mm 64x64 9.6 / 16.1 | "
+         "5.1 / 10.0, 8x64 3.9 / 42.2 | 1.8 / 21.6; full-batch training steps 1.10-1.40x faster than with addmm "
+         "(GIN 83 -> 65 ms, SAGE-mean 70 -> 56 at 2 threads; AMD EPYC Zen 4 (family 25 model 17), 2026-12-06). "
+         "Zen 5's full-width 512-bit units not measured", any_of=(AVX512,), vendor="AuthenticAMD"),
+    Rule("gnn_linear", "fp32", "torch",
+         "Intel AVX-512: addmm runs MKL's own AVX-512 kernels, twice the width of the tall-skinny GEMM's; never "
+         "measured against it", any_of=(AVX512,)),
     # ---------------------------------------------------------------- aarch64 (no cpu_opt oneDNN binding there)
     *(Rule(w, "fp32", "acl", "Graviton: fp32 GEMM/conv on ACL through torch's oneDNN; bf16 fast-math when asked "
                              "(AWS: up to 3.5x ResNet-50, 1.4x BERT on Graviton3; not measured here)", arch="aarch64")
@@ -330,7 +350,7 @@ def routes(info: hw.CPUInfo | None = None) -> dict[str, dict[str, dict]]:
     out: dict[str, dict[str, dict]] = {}
     for w in WORK_KINDS:
         for d in DTYPES:
-            if w == "gnn" and d == "int8":
+            if (w == "gnn" and d == "int8") or (w == "gnn_linear" and d != "fp32"):
                 continue
             r = route(w, d, None if live else info)
             t = table_route(w, d, info)
