@@ -47,6 +47,40 @@ def test_mask_path_equals_index_path(case, variant, dtype, F):
                 torch.testing.assert_close(gw_m, gw_a, **tol)
 
 
+@pytest.mark.parametrize("variant", RUNNABLE_VARIANTS)
+@pytest.mark.parametrize("case", ["random", "hub", "duplicates", "isolated"])
+@pytest.mark.parametrize("F", [32, 64, 128])
+def test_register_winners_with_ties_zeros_and_infinities(case, variant, F):
+    """The float32 register path of max/min with winners (unweighted, F = 32 or whole words of 64: the
+    maximum in registers, then a second pass over the row finds the winners) against the generic
+    loop's int32 index: the first edge equal to the result wins, on data full of ties (few distinct
+    values, +0 and -0, as after a ReLU) and infinities; a NaN in a row sends it to the generic loop
+    (NaN wins, PyG's rule)."""
+    g, n_rows, n_cols, *_ = _graph(case)
+    gen = torch.Generator().manual_seed(F)
+    x = torch.randint(-2, 3, (n_cols, F), generator=gen).float().relu()  # 0, 1, 2: ties everywhere
+    x[torch.rand(n_cols, F, generator=gen) < 0.1] = -0.0
+    x[torch.rand(n_cols, F, generator=gen) < 0.05] = float("inf")
+    x[torch.rand(n_cols, F, generator=gen) < 0.05] = -float("inf")
+    cases = [x]
+    if n_cols > 3:
+        xn = x.clone()
+        xn[1, F - 1] = float("nan")
+        cases.append(xn)
+    with gnn.use_variant(variant):
+        for xi in cases:
+            for reduce in ("amax", "amin"):
+                out_a, arg = K.segment_reduce(g.rowptr, g.col, None, xi, reduce)
+                out_m, wmask = K.segment_reduce(g.rowptr, g.col, None, xi, reduce, mask=True)
+                assert torch.equal(out_a.isnan(), out_m.isnan())
+                assert torch.equal(out_a.nan_to_num(), out_m.nan_to_num())
+                want = torch.zeros(g.nnz, K.mask_words(F) * 64, dtype=torch.bool)
+                r, j = torch.nonzero(arg >= 0, as_tuple=True)
+                want[g.rowptr[r] + arg[r, j].long(), j] = True
+                bits = (wmask.unsqueeze(-1) >> torch.arange(64)) & 1
+                assert torch.equal(bits.reshape(g.nnz, K.mask_words(F) * 64).bool(), want), (reduce, variant)
+
+
 def test_format_chosen_by_size_and_both_pass_gradcheck():
     torch.manual_seed(4)
     sparse = gnn.CSRGraph.from_edge_index(torch.randint(0, 30, (2, 60)), 30)  # average degree 2
