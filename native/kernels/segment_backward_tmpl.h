@@ -255,6 +255,52 @@ KFN(CO_N3(mask_gather_row, CO_DT, CO_ISUF))(const int NV, int64_t k0, int64_t k1
 }
 #endif
 
+#if defined(CO_VARIANT_AVX512)
+/* mask_gather_row on AVX-512 over the features [64 q, 64 q + 16 NV): each 16 bits of an edge's mask
+ * word are the k-mask of a masked load of g (lanes not won read nothing and add +0, as the AVX2 row's
+ * and-mask does: the same sums in the same order, bit for bit), with no branch per vector or per
+ * edge (the AVX2 row's test of each byte, taken about half the time on a max aggregation's winners,
+ * mispredicts). The lines of g holding set bits are prefetched CO_PF_DIST edges ahead (a line with
+ * none prefetches the mask word's own line instead: no branch there either). */
+static inline __attribute__((always_inline, unused)) void
+KFN(CO_N3(mask_gather_row16, CO_DT, CO_ISUF))(const int NV, int64_t k0, int64_t k1, int64_t k_stop, const CO_IT *row_t,
+                                               const int64_t *perm, const uint64_t *wmask, int64_t W, int64_t q,
+                                               const float *g, int64_t F, const float *weight, float *o)
+{
+    __m512 acc[4];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+        if (q == 0 && k + 2 * CO_PF_DIST < k_stop) __builtin_prefetch(wmask + perm[k + 2 * CO_PF_DIST] * W);
+        if (k + CO_PF_DIST < k_stop) {
+            const uint64_t *mpp = wmask + perm[k + CO_PF_DIST] * W + q;
+            const uint64_t mp = *mpp;
+            const float *gp = g + (int64_t)row_t[k + CO_PF_DIST] * F + 64 * q;
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v)
+                __builtin_prefetch(((mp >> (16 * v)) & 0xffff) ? (const void *)(gp + 16 * v) : (const void *)mpp);
+        }
+        const int64_t e = perm[k];
+        const uint64_t m = wmask[e * W + q];
+        const float *gr = g + (int64_t)row_t[k] * F + 64 * q;
+        if (weight) {
+            const __m512 w = _mm512_set1_ps(weight[e]);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) {
+                const __mmask16 km = (__mmask16)(m >> (16 * v));
+                acc[v] = _mm512_add_ps(acc[v], _mm512_maskz_mov_ps(km, _mm512_mul_ps(_mm512_maskz_loadu_ps(km, gr + 16 * v), w)));
+            }
+        } else {
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v)
+                acc[v] = _mm512_add_ps(acc[v], _mm512_maskz_loadu_ps((__mmask16)(m >> (16 * v)), gr + 16 * v));
+        }
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + 64 * q + 16 * v, acc[v]);
+}
+#endif
+
 /* The backward of max/min spmm from the winner mask (wmask: nnz x W uint64, W = ceil(F / 64); bit
  * j of nonzero e set iff e won feature j of its row), over the CSC transpose as arg_gather:
  *   out[i, j] = sum over k in [colptr[i], colptr[i+1]) whose wmask[perm[k]] has bit j
@@ -295,6 +341,20 @@ int64_t KFN(CO_N3(mask_gather, CO_DT, CO_ISUF))(
                 if (CO_T_IS_ACC && sizeof(CO_T) == 4 && ((F % 8 == 0 && F <= 64) || F % 64 == 0)) {
                     const float *gf = (const float *)g, *wf = (const float *)weight;
                     float *of = (float *)out + i * F;
+#if defined(CO_VARIANT_AVX512)
+                    if (F % 16 == 0) {
+                        if (F >= 64)
+                            for (int64_t q = 0; q < W; ++q)
+                                KFN(CO_N3(mask_gather_row16, CO_DT, CO_ISUF))(4, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, q, gf, F, wf, of);
+                        else if (F == 48)
+                            KFN(CO_N3(mask_gather_row16, CO_DT, CO_ISUF))(3, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, 0, gf, F, wf, of);
+                        else if (F == 32)
+                            KFN(CO_N3(mask_gather_row16, CO_DT, CO_ISUF))(2, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, 0, gf, F, wf, of);
+                        else
+                            KFN(CO_N3(mask_gather_row16, CO_DT, CO_ISUF))(1, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, 0, gf, F, wf, of);
+                        continue;
+                    }
+#endif
                     if (F >= 64)
                         for (int64_t q = 0; q < W; ++q)
                             KFN(CO_N3(mask_gather_row, CO_DT, CO_ISUF))(8, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, q, gf, F, wf, of);

@@ -16,8 +16,8 @@ _graph = csr_case
 @pytest.mark.parametrize("variant", RUNNABLE_VARIANTS)
 @pytest.mark.parametrize("case", GRAPH_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("F", [5, 24, 64, 70, 128])  # one partial word (24: three float32 vectors), one full word,
-# two words (128: two whole words, the vector path per word)
+@pytest.mark.parametrize("F", [5, 16, 24, 32, 48, 64, 70, 128])  # one partial word (24: three float32 vectors; 16,
+# 32, 48: one, two, three AVX-512 vectors), one full word, two words (128: two whole words, the vector path per word)
 def test_mask_path_equals_index_path(case, variant, dtype, F):
     g, n_rows, n_cols, *_ = _graph(case, torch.int32 if F == 70 else torch.int64)
     torch.manual_seed(3)
@@ -79,6 +79,27 @@ def test_register_winners_with_ties_zeros_and_infinities(case, variant, F):
                 want[g.rowptr[r] + arg[r, j].long(), j] = True
                 bits = (wmask.unsqueeze(-1) >> torch.arange(64)) & 1
                 assert torch.equal(bits.reshape(g.nnz, K.mask_words(F) * 64).bool(), want), (reduce, variant)
+
+
+@pytest.mark.parametrize("case", ["random", "hub", "duplicates"])
+def test_mask_gather_variants_agree_bit_for_bit(case):
+    """mask_gather's avx512 rows (masked loads, no branches) add the same values in the same order as
+    the avx2 rows (and-masked vectors) and the scalar loop: equal bit for bit, weighted or not."""
+    g, n_rows, n_cols, *_ = _graph(case)
+    colptr, row_t, perm_t = g.csc()
+    gen = torch.Generator().manual_seed(11)
+    for F in (16, 32, 48, 64, 128, 24):
+        x = torch.randn(n_cols, F, generator=gen).relu()
+        go = torch.randn(n_rows, F, generator=gen)
+        w = torch.rand(g.nnz, generator=gen) - 0.3  # negative weights too
+        _, wmask = K.segment_reduce(g.rowptr, g.col, None, x, "amax", mask=True)
+        got = {}
+        for variant in RUNNABLE_VARIANTS:
+            with gnn.use_variant(variant):
+                got[variant] = [K.mask_gather(colptr, row_t, perm_t, wmask, go, weight, n_cols) for weight in (None, w)]
+        first = got[RUNNABLE_VARIANTS[0]]
+        for variant, outs in got.items():
+            assert all(torch.equal(a, b) for a, b in zip(outs, first)), (variant, F)
 
 
 def test_format_chosen_by_size_and_both_pass_gradcheck():
