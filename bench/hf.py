@@ -388,6 +388,9 @@ def main(quick: bool = False, argv=None) -> None:
                 line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
                 if line is None:
                     err = (r.stderr.strip().splitlines() or ["no output"])[-1][:200]
+                    if "No module named" in err:  # a peer runtime missing: say how to get it
+                        err += (" (the peers are not in `make setup`: pip install -e '.[compare]'; torchao: "
+                                "pip install torchao --no-deps)")
                     print(f"{name} {impl} round {rnd}: FAILED {err}", flush=True)
                     results.setdefault((name, impl), []).append({"error": err})
                     continue
