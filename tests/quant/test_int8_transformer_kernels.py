@@ -124,9 +124,16 @@ def test_fused_attention_fully_masked_rows_are_zero_and_other_calls_go_to_torch(
     # what the kernel does not take runs torch's flash kernel, with the same answers: the AMX kernel
     # takes no causal flag or grouped heads (the AVX512_BF16 one does: the next test)
     if kernel == "amx":
-        for kw in ({"is_causal": True}, {"dropout_p": 0.0, "enable_gqa": True}):
-            attention(q, k, v, None, **kw)
+        attention(q, k, v, None, is_causal=True)
+        # grouped heads: 2 query heads on 1 kv head (with as many kv heads as query heads, enable_gqa
+        # changes nothing and the kernel takes the call)
+        grouped = attention(q, k[:, :1], v[:, :1], None, dropout_p=0.0, enable_gqa=True)
+        ref = _reference(q, k[:, :1].expand_as(k), v[:, :1].expand_as(v), None, 1 / 8)
+        assert (grouped.double() - ref).abs().max() < 5e-2
         n += 2
+        attention(q, k, v, None, enable_gqa=True)
+        assert len(flash_calls) == n + (0 if _runs_here(kernel) else 1)
+        n = len(flash_calls)
     attention(q, k, v, mask, is_causal=True)   # both: torch's own error or answer decides
     attention(q[0], k[0], v[0])   # rank 3
     assert len(flash_calls) == n + 2
