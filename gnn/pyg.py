@@ -23,8 +23,7 @@
   graph and checked by content on each call (:class:`_AggregationCache`);
 * the model's Linear layers (torch's and PyG's) on node features run on cpu_opt's tall-skinny
   GEMM (``native/kernels/tsgemm.c``: forward, input gradient, weight and bias gradients in one
-  pass) where the routing table sends ``gnn_linear`` work there (AVX2 without AVX-512; AMD with
-  AVX-512), else on torch's own oneDNN 3.12
+  pass) where the routing table sends ``gnn_linear`` work there (AVX2 and AVX-512), else on torch's own oneDNN 3.12
   (``mkldnn._linear_pointwise``, forward and input gradient) where the routing table sends fp32
   linear layers there: :func:`linear`.
 
@@ -307,9 +306,9 @@ NATIVE_LINEAR_MAX_K = 64
 @functools.lru_cache(maxsize=None)
 def _native_linear_route() -> bool:
     """Whether node-feature linear layers run on cpu_opt's tall-skinny GEMM here: a vectorized
-    build where the routing table sends ``gnn_linear`` work there (AVX2 without AVX-512, measured on
-    Zen 3; AMD with AVX-512, measured on Zen 4; not Intel's AVX-512, whose addmm is MKL at twice the
-    kernel's width)."""
+    build where the routing table sends ``gnn_linear`` work there (AVX2: measured on Zen 3; AVX-512,
+    whose zmm tiles beat torch's addmm and oneDNN on Emerald Rapids, and the AVX2 tiles beat MKL on
+    Zen 4)."""
     from ..platform import routing
 
     return native.vectorized() and routing.route("gnn_linear", "fp32").backend == "tall_skinny"
@@ -412,7 +411,7 @@ class _NativeLinearSum(torch.autograd.Function):
 
 class _TorchLinearSum(torch.autograd.Function):
     """:class:`_NativeLinearSum` on torch's GEMMs, where the tall-skinny kernels are not the route
-    (AVX-512 CPUs: MKL's GEMMs run these shapes as fast, 100k x 64 x 64 in 3.6 ms on 2 cores):
+    (a CPU without AVX2, or a layer wider than the kernel takes):
     the second product accumulates into the first's output (``addmm_``, beta = 1: no separate
     add pass over a 100k-row tensor, no second output), one column sum of ``g`` for both biases."""
 

@@ -101,13 +101,13 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("name,cap,want", [("amd_zen3", None, "tall_skinny"), ("amd_zen4", None, "tall_skinny"), ("amd_zen5", None, "tall_skinny"),
-                                           ("amd_zen5", "avx2", "tall_skinny"), ("intel_icelake", None, "torch"),
-                                           ("intel_sapphirerapids", None, "torch"),
+                                           ("amd_zen5", "avx2", "tall_skinny"), ("intel_icelake", None, "tall_skinny"),
+                                           ("intel_sapphirerapids", None, "tall_skinny"), ("intel_icelake", "sse41", "torch"),
                                            ("intel_icelake", "avx2", "tall_skinny")])
 def test_gnn_linear_route(name, cap, want):
-    """cpu_opt.gnn's node-feature Linear layers: the tall-skinny GEMM on AVX2 without AVX-512 (measured on
-    Zen 3) and on AMD with AVX-512 (measured on Zen 4, where torch's addmm is MKL's vendor-picked path);
-    Intel AVX-512 keeps torch's addmm (MKL's own AVX-512 kernels, not measured against); fp32 only."""
+    """cpu_opt.gnn's node-feature Linear layers: the tall-skinny GEMM wherever it has vector tiles, AVX2
+    (measured on Zen 3) or AVX-512 (Zen 4 with the AVX2 tiles, Emerald Rapids with the zmm tiles); without
+    AVX2, torch's own; fp32 only."""
     assert routing.route("gnn_linear", "fp32", info(name, cap=cap)).backend == want
     assert "gnn_linear" in routing.routes(info(name, cap=cap))
     assert set(routing.routes(info(name, cap=cap))["gnn_linear"]) == {"fp32"}

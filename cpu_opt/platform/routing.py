@@ -93,6 +93,7 @@ ZEN3 = "AMD EPYC Zen 3 (family 25 model 1, AVX2 only), 2 threads, 3 calibrate ru
 ZEN3_EARLIER = "the same Zen 3, November 2026, end-to-end A/B"
 XEON_AMX = ("Intel Xeon with AMX (family 6 model 167: AVX512_BF16, AVX512_FP16, AMX-BF16/INT8), 2 threads, "
             "2026-12-02")
+XEON_EMR = "Intel Xeon Emerald Rapids (family 6 model 207: AVX-512, VNNI, AVX512_BF16, AMX), 2 threads, 2026-12-06"
 UNMEASURED = "not measured on any machine this project ran on"
 
 RULES: tuple[Rule, ...] = (
@@ -262,17 +263,16 @@ RULES: tuple[Rule, ...] = (
          f"against mm: 64x64 10.5-12.8 / 14.5-17.2, 64x8 4.2-6.1 / 38-52 ({ZEN3})",
          any_of=(AVX2,), none_of=frozenset({"avx512f"})),
     Rule("gnn_linear", "fp32", "tall_skinny",
-         "AMD with AVX-512 (its 512-bit FMAs no wider per cycle than two 256-bit ones on Zen 4; torch's addmm is MKL, "
-         "which picks its kernels by the CPUID vendor): 100k rows, ms, 1 | 2 threads, cpu_opt's tall-skinny GEMM / "
-         "torch's oneDNN / addmm, K x N: 64x64 8.35 / 12.2 / 12.7 | 5.24 / 5.45 / 7.59, 64x8 2.18 / 4.57 / 4.82 | "
-         "1.40 / 2.47 / 2.31, 64x128 17.5 / 39.2 / 23.8 | 14.5 / 22.5 / 24.3 (128x64 torch's oneDNN 21.1 | 12.2 vs "
-         "24.1 | 13.4: inner dimensions above 64 keep torch's oneDNN); weight gradients against mm 64x64 9.6 / 16.1 | "
-         "5.1 / 10.0, 8x64 3.9 / 42.2 | 1.8 / 21.6; full-batch training steps 1.10-1.40x faster than with addmm "
-         "(GIN 83 -> 65 ms, SAGE-mean 70 -> 56 at 2 threads; AMD EPYC Zen 4 (family 25 model 17), 2026-12-06). "
-         "Zen 5's full-width 512-bit units not measured", any_of=(AVX512,), vendor="AuthenticAMD"),
-    Rule("gnn_linear", "fp32", "torch",
-         "Intel AVX-512: addmm runs MKL's own AVX-512 kernels, twice the width of the tall-skinny GEMM's; never "
-         "measured against it", any_of=(AVX512,)),
+         "AVX-512: the kernel's 12 x 16 zmm tiles (pairs of panels: 12 x 32), the same sums bit for bit as the AVX2 "
+         "tiles. 100k rows, 1 | 2 threads, ms, cpu_opt's tall-skinny GEMM (AVX2 tiles -> AVX-512 tiles) / torch's "
+         "oneDNN / addmm: 64x64 10.9 -> 7.6 / 5.4-6.1 / 7.3 | 5.0 -> 3.0-3.3 / 3.0-3.1 / 4.3, 64x128 19.5 -> 14.0 / "
+         "13.9 / 31.0 | 10.2 -> 6.8 / 17.6-17.8 / 21.0, 8x64 1.4 / 1.6-2.6 / 2.5 | 0.8-1.0 / 0.7-1.6 / 1.3; lin_l + "
+         "lin_r in one output 64x64 + 64x64 19.7 -> 12.6 | 10.0 -> 5.5; weight gradients against mm 64x64 10.6 -> "
+         "8.6 / 8.1-8.3 | 5.5 -> 4.0-4.3 / 4.5-4.6. Full-batch training steps against torch's addmm (power-law "
+         f"graph, 2 | 1 threads): SAGE-mean 68.8 -> 56.7 | 118.3 -> 106.9 ms, GIN 78.6 -> 66.9 | 139.1 -> 122.1, "
+         f"SAGE-max 103.7 -> 87.0, GCN 72.0 -> 68.6 ({XEON_EMR}). On AMD (Zen 4, AVX2 tiles then: 64x64 8.35 / 12.2 "
+         "/ 12.7 | 5.24 / 5.45 / 7.59 ms; training 1.10-1.40x faster than with addmm, which is MKL's vendor-picked "
+         f"path there; {ZEN4}); the AVX-512 tiles not yet timed on AMD", any_of=(AVX512,)),
     # ---------------------------------------------------------------- aarch64 (no cpu_opt oneDNN binding there)
     *(Rule(w, "fp32", "acl", "Graviton: fp32 GEMM/conv on ACL through torch's oneDNN; bf16 fast-math when asked "
                              "(AWS: up to 3.5x ResNet-50, 1.4x BERT on Graviton3; not measured here)", arch="aarch64")

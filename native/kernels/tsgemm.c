@@ -6,8 +6,9 @@
  * across threads): torch's oneDNN runs 100000 x 64 x 64 at ~64 GFLOP/s on 2 Zen 3 cores, MKL's mm
  * the weight gradient at ~60. Here the small operand is packed once per call into 16-column panels
  * that stay in L1, and A is streamed through once, 6 rows at a time, into a 6 x 16 register tile
- * (12 rows into a 12 x 8 tile when N <= 8). The weight gradient reads A and B where they are,
- * CO_TS_TN_BLOCK rows at a time, each 6 x 16 tile of the output a pass over the block.
+ * (AVX-512: 12 rows into a 12 x 16 tile, a zmm per row; 12 rows into a 12 x 8 tile when N <= 8).
+ * The weight gradient reads A and B where they are, CO_TS_TN_BLOCK rows at a time, each 6 x 16
+ * (AVX-512: 12 x 16) tile of the output a pass over the block.
  *
  *   ts_gemm_nn_f32: C (M x N) = A (M x K) B' (+ bias[N]) (+ C when accumulate), B' = B (K x N,
  *                   b_nk = 0: a gradient times a weight) or B^T (B N x K, b_nk = 1: nn.Linear's
@@ -33,6 +34,15 @@
 #endif
 #endif
 
+/* rows per register tile for N > 8, per variant: AVX2 holds a 6 x 16 tile in 12 ymm registers;
+ * AVX-512 a 12 x 16 tile in 12 zmm registers (one per row: the panel's 16 columns are one vector) */
+#undef CO_TS_MRV
+#if defined(CO_VARIANT_AVX512)
+#define CO_TS_MRV 12
+#else
+#define CO_TS_MRV CO_TS_MR
+#endif
+
 /* B' packed into ceil(N / 16) panels of K x 16 floats, zero beyond column N */
 static void KFN(co_ts_pack)(const float *b, int64_t K, int64_t N, int b_nk, float *bp) {
     const int64_t np = (N + CO_TS_NR - 1) / CO_TS_NR;
@@ -52,6 +62,97 @@ static inline __m256i KFN(co_ts_mask)(int64_t n) { /* lanes [0, n) on, n in [0, 
     const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), idx);
 }
+
+#if defined(CO_VARIANT_AVX512)
+
+/* c[r] += a[r * rs + k * ks] * bp[k * bs + 0:16] over k in [0, K), rows r in [0, R): the rank-1
+ * updates of a 12 x 16 register tile, one zmm per row (the same products, added in the same order
+ * per output element, as the AVX2 tile's two ymm halves: the results are the same bit for bit) */
+static inline __attribute__((always_inline)) void
+KFN(co_ts_fma)(const int R, const float *a, int64_t rs, int64_t ks, const float *bp, int64_t bs, int64_t K,
+               __m512 *c) {
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < K; ++k) {
+        const __m512 b = _mm512_loadu_ps(bp + k * bs);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * rs + k * ks]), b, c[r]);
+    }
+}
+
+/* rows [0, R) of the R x 16 tile c[:, n0 : n0 + ncols] from A rows a (lda = K) and one panel bp;
+ * columns past ncols neither read nor written (k-masks) */
+static inline __attribute__((always_inline)) void
+KFN(co_ts_tile)(const int R, const float *a, int64_t K, const float *bp, const float *a2, int64_t K2,
+                const float *bp2, const float *bias, int acc, float *c, int64_t ldc, int64_t ncols) {
+    __m512 c0[CO_TS_MRV];
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) c0[r] = _mm512_setzero_ps();
+    KFN(co_ts_fma)(R, a, K, 1, bp, CO_TS_NR, K, c0);
+    if (a2) KFN(co_ts_fma)(R, a2, K2, 1, bp2, CO_TS_NR, K2, c0); /* the second product, into the same registers */
+    const __mmask16 m = ncols >= CO_TS_NR ? (__mmask16)0xFFFF : (__mmask16)((1u << ncols) - 1u);
+    const __m512 bi = bias ? _mm512_maskz_loadu_ps(m, bias) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+        float *cr = c + r * ldc;
+        __m512 v = _mm512_add_ps(c0[r], bi);
+        if (acc == 1) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, cr));
+        if (acc == 2 && ncols == CO_TS_NR) /* streaming stores: C is written once and larger than the caches */
+            _mm512_stream_ps(cr, v);
+        else
+            _mm512_mask_storeu_ps(cr, m, v);
+    }
+}
+
+/* c0/c1[r] += a[r * rs + k] * (panel p0 | panel p1)[k, 0:16] over k in [0, K): two panels (32 columns)
+ * at once, 24 accumulators, two vector loads and 12 broadcasts per 24 multiply-adds instead of one
+ * load and 12 broadcasts per 12 */
+static inline __attribute__((always_inline)) void
+KFN(co_ts_fma2)(const float *a, int64_t K, const float *p0, const float *p1, __m512 *c0, __m512 *c1) {
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < K; ++k) {
+        const __m512 b0 = _mm512_load_ps(p0 + k * CO_TS_NR), b1 = _mm512_load_ps(p1 + k * CO_TS_NR);
+#pragma GCC unroll 12
+        for (int r = 0; r < CO_TS_MRV; ++r) {
+            const __m512 av = _mm512_set1_ps(a[r * K + k]);
+            c0[r] = _mm512_fmadd_ps(av, b0, c0[r]);
+            c1[r] = _mm512_fmadd_ps(av, b1, c1[r]);
+        }
+    }
+}
+
+/* a whole 12-row tile over columns [n0, n0 + ncols), 16 < ncols <= 32: panels bp and bp + K * 16
+ * (the second masked past ncols); the same products in the same order as two co_ts_tile calls */
+static inline __attribute__((always_inline)) void
+KFN(co_ts_tile2)(const float *a, int64_t K, const float *bp, const float *a2, int64_t K2, const float *bp2,
+                 const float *bias, int acc, float *c, int64_t ldc, int64_t ncols) {
+    __m512 c0[CO_TS_MRV], c1[CO_TS_MRV];
+#pragma GCC unroll 12
+    for (int r = 0; r < CO_TS_MRV; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
+    KFN(co_ts_fma2)(a, K, bp, bp + K * CO_TS_NR, c0, c1);
+    if (a2) KFN(co_ts_fma2)(a2, K2, bp2, bp2 + K2 * CO_TS_NR, c0, c1);
+    const int64_t n1 = ncols - CO_TS_NR;
+    const __mmask16 m = n1 >= CO_TS_NR ? (__mmask16)0xFFFF : (__mmask16)((1u << n1) - 1u);
+    const __m512 bi0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 bi1 = bias ? _mm512_maskz_loadu_ps(m, bias + CO_TS_NR) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+    for (int r = 0; r < CO_TS_MRV; ++r) {
+        float *cr = c + r * ldc;
+        __m512 v0 = _mm512_add_ps(c0[r], bi0), v1 = _mm512_add_ps(c1[r], bi1);
+        if (acc == 1) {
+            v0 = _mm512_add_ps(v0, _mm512_loadu_ps(cr));
+            v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m, cr + CO_TS_NR));
+        }
+        if (acc == 2 && n1 == CO_TS_NR) {
+            _mm512_stream_ps(cr, v0);
+            _mm512_stream_ps(cr + CO_TS_NR, v1);
+        } else {
+            _mm512_storeu_ps(cr, v0);
+            _mm512_mask_storeu_ps(cr + CO_TS_NR, m, v1);
+        }
+    }
+}
+
+#else
 
 /* c0/c1[r] += a[r * rs + k * ks] * bp[k * bs + 0:16] over k in [0, K), rows r in [0, R): the rank-1
  * updates of a 6 x 16 register tile (bp: a packed 16-column panel or strip, K x 16 with bs = 16, or
@@ -119,6 +220,8 @@ KFN(co_ts_tile)(const int R, const float *a, int64_t K, const float *bp, const f
     }
 }
 
+#endif /* AVX-512 / AVX2 tiles */
+
 /* N <= 8: rows [0, R) (R <= 12) of C from one 8-column vector per k and R broadcasts. The 6 x 16
  * tile would compute 16 columns of which 8 or fewer are kept: half its multiply-adds wasted. */
 static inline __attribute__((always_inline)) void
@@ -169,17 +272,26 @@ static void KFN(co_ts_rows)(int64_t R, const float *a, int64_t K, const float *b
         default: KFN(co_ts_tile8)(1, a, K, bp, a2, K2, bp2, bias, acc, c, N); return;
         }
     }
-    for (int64_t n0 = 0; n0 < N; n0 += CO_TS_NR) {
+    int64_t n0 = 0;
+#if defined(CO_VARIANT_AVX512)
+    if (R == CO_TS_MRV) /* whole tiles: pairs of panels (the last one, alone, below) */
+        for (; n0 + CO_TS_NR < N; n0 += 2 * CO_TS_NR)
+            KFN(co_ts_tile2)(a, K, bp + (n0 / CO_TS_NR) * K * CO_TS_NR, a2, K2,
+                             a2 ? bp2 + (n0 / CO_TS_NR) * K2 * CO_TS_NR : NULL, bias ? bias + n0 : NULL, acc,
+                             c + n0, N, N - n0 < 2 * CO_TS_NR ? N - n0 : 2 * CO_TS_NR);
+#endif
+    for (; n0 < N; n0 += CO_TS_NR) {
         const float *p = bp + (n0 / CO_TS_NR) * K * CO_TS_NR;
         const float *p2 = a2 ? bp2 + (n0 / CO_TS_NR) * K2 * CO_TS_NR : NULL;
         const float *bi = bias ? bias + n0 : NULL;
         const int64_t nc = N - n0 < CO_TS_NR ? N - n0 : CO_TS_NR;
         switch (R) {
-        case 6: KFN(co_ts_tile)(6, a, K, p, a2, K2, p2, bi, acc, c + n0, N, nc); break;
-        case 5: KFN(co_ts_tile)(5, a, K, p, a2, K2, p2, bi, acc, c + n0, N, nc); break;
-        case 4: KFN(co_ts_tile)(4, a, K, p, a2, K2, p2, bi, acc, c + n0, N, nc); break;
-        case 3: KFN(co_ts_tile)(3, a, K, p, a2, K2, p2, bi, acc, c + n0, N, nc); break;
-        case 2: KFN(co_ts_tile)(2, a, K, p, a2, K2, p2, bi, acc, c + n0, N, nc); break;
+#define CO_TS_T(n) case n: KFN(co_ts_tile)(n, a, K, p, a2, K2, p2, bi, acc, c + n0, N, nc); break;
+#if CO_TS_MRV == 12
+        CO_TS_T(12) CO_TS_T(11) CO_TS_T(10) CO_TS_T(9) CO_TS_T(8) CO_TS_T(7)
+#endif
+        CO_TS_T(6) CO_TS_T(5) CO_TS_T(4) CO_TS_T(3) CO_TS_T(2)
+#undef CO_TS_T
         default: KFN(co_ts_tile)(1, a, K, p, a2, K2, p2, bi, acc, c + n0, N, nc); break;
         }
     }
@@ -187,6 +299,22 @@ static void KFN(co_ts_rows)(int64_t R, const float *a, int64_t K, const float *b
 
 /* acc tile (R x 16 at part[i0:, j0:]) += sum over the block's L rows m of a[m, 0:R]^T b[m, 0:16]:
  * a and b read in place (row strides lda, ldb; b may be the packed tail strip, ldb = 16) */
+#if defined(CO_VARIANT_AVX512)
+static inline __attribute__((always_inline)) void
+KFN(co_ts_tn_tile)(const int R, const float *a, int64_t lda, const float *b, int64_t ldb, int64_t L, float *part,
+                   int64_t ldp) {
+    __m512 c0[CO_TS_MRV];
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) c0[r] = _mm512_setzero_ps();
+    KFN(co_ts_fma)(R, a, 1, lda, b, ldb, L, c0);
+    /* part is padded to a multiple of 16 columns: whole-vector updates are in bounds */
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+        float *pr = part + r * ldp;
+        _mm512_storeu_ps(pr, _mm512_add_ps(_mm512_loadu_ps(pr), c0[r]));
+    }
+}
+#else
 static inline __attribute__((always_inline)) void
 KFN(co_ts_tn_tile)(const int R, const float *a, int64_t lda, const float *b, int64_t ldb, int64_t L, float *part,
                    int64_t ldp) {
@@ -202,6 +330,7 @@ KFN(co_ts_tn_tile)(const int R, const float *a, int64_t lda, const float *b, int
         _mm256_storeu_ps(pr + 8, _mm256_add_ps(_mm256_loadu_ps(pr + 8), c1[r]));
     }
 }
+#endif
 
 /* rows [m0, m1) (at most CO_TS_TN_BLOCK) into the thread's partial. A and B are read where they
  * are (the 6 broadcasts of a tile step are one row of A, its two vectors 16 columns of one row of
@@ -210,7 +339,7 @@ KFN(co_ts_tn_tile)(const int R, const float *a, int64_t lda, const float *b, int
 static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int64_t N2, int64_t m0, int64_t m1,
                                 int64_t m_end, float *part, float *colsum, float *scratch) {
     const int64_t ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR, L = m1 - m0;
-    const int64_t na = (N1 + CO_TS_MR - 1) / CO_TS_MR, nb = ldp / CO_TS_NR;
+    const int64_t na = (N1 + CO_TS_MRV - 1) / CO_TS_MRV, nb = ldp / CO_TS_NR;
     const int64_t fb = N2 / CO_TS_NR; /* whole strips of B */
     const float *ab = a + m0 * N1, *bb = b + m0 * N2;
     if (fb < nb)
@@ -235,17 +364,18 @@ static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int6
         const float *bp = jb < fb ? bb + jb * CO_TS_NR : scratch;
         const int64_t ldb = jb < fb ? N2 : CO_TS_NR;
         for (int64_t ia = 0; ia < na; ++ia) {
-            const int64_t R = N1 - ia * CO_TS_MR < CO_TS_MR ? N1 - ia * CO_TS_MR : CO_TS_MR;
+            const int64_t R = N1 - ia * CO_TS_MRV < CO_TS_MRV ? N1 - ia * CO_TS_MRV : CO_TS_MRV;
             for (int64_t q = 0; q < per_tile && next < la + lb; ++q, ++next)
                 __builtin_prefetch(next < la ? pfa + next * 64 : pfb + (next - la) * 64, 0, 2);
-            const float *ap = ab + ia * CO_TS_MR;
-            float *pt = part + ia * CO_TS_MR * ldp + jb * CO_TS_NR;
+            const float *ap = ab + ia * CO_TS_MRV;
+            float *pt = part + ia * CO_TS_MRV * ldp + jb * CO_TS_NR;
             switch (R) {
-            case 6: KFN(co_ts_tn_tile)(6, ap, N1, bp, ldb, L, pt, ldp); break;
-            case 5: KFN(co_ts_tn_tile)(5, ap, N1, bp, ldb, L, pt, ldp); break;
-            case 4: KFN(co_ts_tn_tile)(4, ap, N1, bp, ldb, L, pt, ldp); break;
-            case 3: KFN(co_ts_tn_tile)(3, ap, N1, bp, ldb, L, pt, ldp); break;
-            case 2: KFN(co_ts_tn_tile)(2, ap, N1, bp, ldb, L, pt, ldp); break;
+#define CO_TS_T(n) case n: KFN(co_ts_tn_tile)(n, ap, N1, bp, ldb, L, pt, ldp); break;
+#if CO_TS_MRV == 12
+            CO_TS_T(12) CO_TS_T(11) CO_TS_T(10) CO_TS_T(9) CO_TS_T(8) CO_TS_T(7)
+#endif
+            CO_TS_T(6) CO_TS_T(5) CO_TS_T(4) CO_TS_T(3) CO_TS_T(2)
+#undef CO_TS_T
             default: KFN(co_ts_tn_tile)(1, ap, N1, bp, ldb, L, pt, ldp); break;
             }
         }
@@ -307,11 +437,16 @@ static int64_t KFN(co_ts_nn)(const float *a, int64_t M, int64_t K, const float *
     const int64_t want = (M * (K + k2) * N + (1 << 21) - 1) >> 21;
     int nt = want < nthreads ? (int)want : nthreads;
     if (nt < 1) nt = 1;
-    const int64_t mr = N <= 8 ? CO_TS_MR8 : CO_TS_MR; /* rows per tile */
+    const int64_t mr = N <= 8 ? CO_TS_MR8 : CO_TS_MRV; /* rows per tile */
     const int64_t tiles = (M + mr - 1) / mr;
-    /* 1: C += ...; 2: C = ... with streaming stores (C 32-byte aligned, rows whole vectors, and
-     * beyond the L2 caches: 8 MiB); 0: C = ... */
-    const int mode = accumulate ? 1 : (((uintptr_t)c & 31) == 0 && N % 8 == 0 && M * N >= ((int64_t)1 << 21)) ? 2 : 0;
+    /* 1: C += ...; 2: C = ... with streaming stores (C aligned to the stores' width, rows whole
+     * vectors, and beyond the L2 caches: 8 MiB); 0: C = ... */
+#if defined(CO_VARIANT_AVX512)
+    const int whole = N <= 8 ? ((uintptr_t)c & 31) == 0 && N % 8 == 0 : ((uintptr_t)c & 63) == 0 && N % 16 == 0;
+#else
+    const int whole = ((uintptr_t)c & 31) == 0 && N % 8 == 0;
+#endif
+    const int mode = accumulate ? 1 : (whole && M * N >= ((int64_t)1 << 21)) ? 2 : 0;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const int t = nt > 1 ? omp_get_thread_num() : 0;

@@ -74,6 +74,38 @@ def test_tn_matches_float64_with_column_sums(M, N1, N2):
             assert torch.equal(c, c2), "the column sums must not change the product"
 
 
+
+@pytest.mark.parametrize("M,K,N", [(37, 64, 64), (25, 9, 8), (1000, 64, 48), (999, 17, 33), (100003, 64, 64),
+                                   (2049, 128, 16), (300, 5, 100)])
+def test_vector_variants_agree_bit_for_bit(M, K, N):
+    """The AVX-512 tiles (12 rows, a zmm per row, pairs of panels) add the same products in the same
+    order per output element as the AVX2 tiles (6 rows, two ymm halves): forward, accumulate, the
+    two-product sum and the weight gradient are equal bit for bit, rows remainders and masked
+    columns included (M = 100003 with N = 64: streaming stores)."""
+    variants = [v for v in ("avx2", "avx512") if v in runnable()]
+    if len(variants) < 2:
+        pytest.skip("needs both the avx2 and the avx512 variant to run on this CPU")
+    g = torch.Generator().manual_seed(M + K + N)
+    a, a2 = torch.randn(M, K, generator=g), torch.randn(M, K, generator=g)
+    w, w2, bias = torch.randn(N, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    gr, c0 = torch.randn(M, N, generator=g), torch.randn(M, N, generator=g)
+    outs = {}
+    for v in variants:
+        for nt in (1, 2):
+            fwd = _nn(a, w, True, bias, torch.empty(M, N), False, v, nt)
+            acc = _nn(a, w.t().contiguous(), False, None, c0.clone(), True, v, nt)
+            two = torch.empty(M, N)
+            native.check(native.kernel("ts_gemm_nn2_f32", v)(_p(a), M, K, _p(w), _p(a2), K, _p(w2), N, _p(bias),
+                                                             _p(two), nt), "nn2")
+            gw, gs = torch.empty(N, K), torch.empty(N)
+            native.check(native.kernel("ts_gemm_tn_f32", v)(_p(gr), M, N, _p(a), K, _p(gw), _p(gs), nt), "tn")
+            outs[v, nt] = (fwd, acc, two, gw, gs)
+    for nt in (1, 2):
+        for name, x, y in zip(("forward", "accumulate", "sum of two", "weight grad", "column sums"),
+                              outs["avx2", nt], outs["avx512", nt]):
+            assert torch.equal(x, y), (name, nt)
+    assert _rel(outs["avx512", 2][0], a.double() @ w.double().t() + bias.double()) < 1e-5
+
 def test_zero_rows():
     a, w = torch.empty(0, 4), torch.randn(3, 4)
     assert NL.ts_linear(a, w).shape == (0, 3)
