@@ -25,7 +25,10 @@
   GEMM (``native/kernels/tsgemm.c``: forward, input gradient, weight and bias gradients in one
   pass) where the routing table sends ``gnn_linear`` work there (AVX2 and AVX-512), else on torch's own oneDNN 3.12
   (``mkldnn._linear_pointwise``, forward and input gradient) where the routing table sends fp32
-  linear layers there: :func:`linear`.
+  linear layers there: :func:`linear`. On the tall-skinny route a ``Linear -> ReLU -> Linear`` run inside an
+  ``nn.Sequential`` (a GINConv's ``nn``) is one :class:`_NativeMLP`: the ReLU in the first GEMM's
+  epilogue, its gradient in the epilogue of the second layer's input-gradient GEMM
+  (:func:`mlp_layers`).
 
 PyG binds ``scatter``, ``spmm`` and ``gcn_norm`` by name into many modules, so patching
 ``torch_geometric.utils`` alone would change nothing: :func:`patched` swaps every bound name (in
@@ -407,6 +410,97 @@ class _NativeLinearSum(torch.autograd.Function):
             gb = g.sum(0)
         return (ga1, gw1, gb if n[2] and ctx.biases[0] else None,
                 ga2, gw2, gb if n[5] and ctx.biases[1] else None)
+
+
+class _NativeMLP(torch.autograd.Function):
+    """``Linear -> ReLU -> Linear`` (a GINConv's ``nn``) on the tall-skinny GEMM with the ReLU in the
+    epilogues: forward, the first GEMM writes ``relu(x W1^T + b1)`` (no pass of torch's ReLU over the
+    hidden features, no second hidden tensor); backward, the second layer's input gradient ``g W2``
+    is written already masked by the hidden features (torch's ``threshold_backward``, in the same
+    pass). The same numbers as the three modules, to float rounding of the GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2):
+        w1, w2 = w1.contiguous(), w2.contiguous()
+        h = native_linear.ts_linear(x, w1, None if b1 is None else b1.contiguous(), relu=True)
+        ctx.save_for_backward(x, w1, b1, h, w2)
+        ctx.biases = (b1 is not None, b2 is not None)
+        return native_linear.ts_linear(h, w2, None if b2 is None else b2.contiguous())
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w1, b1, h, w2 = ctx.saved_tensors
+        g = g.contiguous()
+        nx, nw1, nb1, nw2, nb2 = ctx.needs_input_grad
+        nb1, nb2 = nb1 and ctx.biases[0], nb2 and ctx.biases[1]
+        if torch.is_grad_enabled():  # create_graph=True: differentiable ops, the hidden features recomputed
+            h = torch.relu(torch.nn.functional.linear(x, w1, b1))
+            gh = torch.ops.aten.threshold_backward(g.mm(w2), h, 0)
+            return (gh.mm(w1) if nx else None, gh.t().mm(x) if nw1 else None, gh.sum(0) if nb1 else None,
+                    g.t().mm(h) if nw2 else None, g.sum(0) if nb2 else None)
+        gw2 = gb2 = gx = gw1 = gb1 = None
+        if nw2:
+            gw2, gb2 = native_linear.ts_weight_grad(g, h, bias=nb2)
+        elif nb2:
+            gb2 = g.sum(0)
+        if nx or nw1 or nb1:
+            gh = native_linear.ts_matmul(g, w2, keep=h)
+            if nx:
+                gx = native_linear.ts_matmul(gh, w1)
+            if nw1:
+                gw1, gb1 = native_linear.ts_weight_grad(gh, x, bias=nb1)
+            elif nb1:
+                gb1 = gh.sum(0)
+        return gx, gw1, gb1, gw2, gb2
+
+
+def _plain(m) -> bool:
+    """A module without hooks (whose call is its forward)."""
+    return not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                or getattr(m, "_forward_hooks_with_kwargs", None))
+
+
+def _mlp_fits(x, lin1, act, lin2) -> bool:
+    """Whether ``lin2(act(lin1(x)))`` can run as one :class:`_NativeMLP`."""
+    return (type(lin1) is torch.nn.Linear and type(act) is torch.nn.ReLU and type(lin2) is torch.nn.Linear
+            and all(_plain(m) for m in (lin1, act, lin2)) and _native_linear_route() and _linear_on.get()
+            and not torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and x.dim() == 2
+            and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] >= ONEDNN_LINEAR_MIN_ROWS
+            and all(_initialized(m.weight) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+                    and (m.bias is None or m.bias.dtype == torch.float32) for m in (lin1, lin2))
+            and lin1.in_features == x.shape[1] and lin2.in_features == lin1.out_features
+            and max(lin1.in_features, lin1.out_features, lin2.out_features) <= NATIVE_LINEAR_MAX_K)
+
+
+def _mlp_forward(self, x):
+    """``nn.Sequential.forward`` with each ``Linear -> ReLU -> Linear`` run of its children as one
+    :class:`_NativeMLP` where it fits; the other children as they are."""
+    mods = list(self)
+    i = 0
+    while i < len(mods):
+        if i + 2 < len(mods) and _mlp_fits(x, *mods[i:i + 3]):
+            _counts["linear: cpu_opt tall-skinny GEMM (Linear -> ReLU -> Linear, the ReLU in the epilogues)"] += 1
+            x = _NativeMLP.apply(x.contiguous(), mods[i].weight, mods[i].bias, mods[i + 2].weight, mods[i + 2].bias)
+            i += 3
+        else:
+            x = mods[i](x)
+            i += 1
+    return x
+
+
+def mlp_layers(model: torch.nn.Module) -> dict:
+    """``{module: forward}`` for the ``nn.Sequential`` containers of ``model`` holding a ``Linear ->
+    ReLU -> Linear`` run (a GINConv's ``nn``), where the tall-skinny GEMM is the route."""
+    if not _native_linear_route():
+        return {}
+    out = {}
+    for m in model.modules():
+        kids = list(m) if type(m) is torch.nn.Sequential else []
+        if "forward" not in m.__dict__ and _plain(m) and any(
+                type(a) is torch.nn.Linear and type(b) is torch.nn.ReLU and type(c) is torch.nn.Linear
+                for a, b, c in zip(kids, kids[1:], kids[2:])):
+            out[m] = _mlp_forward
+    return out
 
 
 class _TorchLinearSum(torch.autograd.Function):
@@ -1127,6 +1221,10 @@ class OptimizedGNN(torch.nn.Module):
                         "(routing: gnn_linear fp32 -> tall_skinny)"] = len(linears)
         elif linears:
             self._notes["Linear layers on torch's oneDNN where float32 (routing: linear fp32 -> torch_onednn)"] = len(linears)
+        mlps = mlp_layers(model) if onednn_linear else {}
+        if mlps:
+            self._notes["Linear -> ReLU -> Linear on cpu_opt's tall-skinny GEMM, the ReLU in the GEMMs' "
+                        "epilogues (forward and backward)"] = len(mlps)
         fused_root = fused_root_layers(model, self._linear_first) if onednn_linear else {}
         if fused_root:
             self._notes[f"SAGEConv: {_fused_root_what()}"] = len(fused_root)
@@ -1142,7 +1240,7 @@ class OptimizedGNN(torch.nn.Module):
 
         gin_root = {m: _gin_forward_root for m in aggregation_cache_layers(model)
                     if type(m) is GINConv and m not in self._linear_first and "forward" not in m.__dict__}
-        self._forwards = {**linears, **fused_root, **gin_root, **self._linear_first, **attention}
+        self._forwards = {**linears, **mlps, **fused_root, **gin_root, **self._linear_first, **attention}
         self._onednn_linear = onednn_linear
         self._agg_cache = _AggregationCache(int((aggregation_cache_mb or 0) * 2**20))
 
@@ -1220,6 +1318,8 @@ class OptimizedGNN(torch.nn.Module):
             return _fused_root_what()
         if self._forwards.get(m) is _gin_forward_root:
             return "aggr(x) + (1 + eps) x in one pass (kept across calls for a constant input)"
+        if self._forwards.get(m) is _mlp_forward:
+            return "Linear -> ReLU -> Linear on cpu_opt's tall-skinny GEMM, the ReLU in the epilogues"
         return "Linear on cpu_opt's tall-skinny GEMM" if _native_linear_route() else "Linear on torch's oneDNN"
 
     def report_text(self) -> str:

@@ -198,6 +198,9 @@ int64_t KFN(gemv_f32)(const float *x, int64_t M, int64_t K, const float *w, int6
  * [1, 1024], M >= 0. CO_ERR_BAD_ARGUMENT for sizes out of range or a NULL matrix, CO_ERR_NO_MEMORY
  * when the packed panels / partials cannot be allocated; nothing written on an error. */
 int64_t KFN(ts_gemm_nn_f32)(const float *a, int64_t M, int64_t K, const float *b, int64_t N, int b_nk, const float *bias, int accumulate, float *c, int nthreads);
+/* ts_gemm_nn_ep_f32: C = A B' (+ bias), then max(0, C) when relu = 1, then C where keep > 0 (or NaN) and 0
+ * elsewhere when keep (M x N, like C) is not NULL: torch's relu and threshold_backward(C, keep, 0). */
+int64_t KFN(ts_gemm_nn_ep_f32)(const float *a, int64_t M, int64_t K, const float *b, int64_t N, int b_nk, const float *bias, int relu, const float *keep, float *c, int nthreads);
 /* ts_gemm_nn2_f32: C (M x N) = A1 W1^T + A2 W2^T (+ bias), A1 M x K1, A2 M x K2, W1 N x K1, W2 N x K2. */
 int64_t KFN(ts_gemm_nn2_f32)(const float *a1, int64_t M, int64_t K1, const float *w1, const float *a2, int64_t K2, const float *w2, int64_t N, const float *bias, float *c, int nthreads);
 int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *b, int64_t N2, float *c, float *colsum, int nthreads);

@@ -82,10 +82,11 @@ def ts_fits(k: int, n: int) -> bool:
 
 
 def ts_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *,
-              out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+              out: torch.Tensor | None = None, accumulate: bool = False, relu: bool = False) -> torch.Tensor:
     """``x @ w.T + b`` (``w`` (N, K): nn.Linear's layout) on cpu_opt's tall-skinny GEMM, written into
-    ``out`` when given, added to it when ``accumulate``."""
-    return _ts_nn("ts_linear", x, w, True, b, out, accumulate)
+    ``out`` when given, added to it when ``accumulate``; ``relu``: ``torch.relu`` of it, applied
+    before the output is written (not with ``accumulate``)."""
+    return _ts_nn("ts_linear", x, w, True, b, out, accumulate, relu=relu)
 
 
 def ts_linear_sum(a1: torch.Tensor, w1: torch.Tensor, a2: torch.Tensor, w2: torch.Tensor,
@@ -112,13 +113,15 @@ def ts_linear_sum(a1: torch.Tensor, w1: torch.Tensor, a2: torch.Tensor, w2: torc
     return out
 
 
-def ts_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def ts_matmul(a: torch.Tensor, b: torch.Tensor, *, keep: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` (``b`` (K, N), small) on cpu_opt's tall-skinny GEMM: a linear layer's input gradient
-    ``g @ W``."""
-    return _ts_nn("ts_matmul", a, b, False, None, None, False)
+    ``g @ W``. ``keep`` (the output's shape): zero where ``keep <= 0``, as
+    ``torch.ops.aten.threshold_backward(a @ b, keep, 0)`` (the gradient through a ReLU whose output
+    was ``keep``), in the same pass."""
+    return _ts_nn("ts_matmul", a, b, False, None, None, False, keep=keep)
 
 
-def _ts_nn(what, a, b, b_nk: bool, bias, out, accumulate):
+def _ts_nn(what, a, b, b_nk: bool, bias, out, accumulate, *, relu: bool = False, keep=None):
     _ts_check(what, ("a", a), ("b", b))
     M, K = a.shape
     N = b.shape[0] if b_nk else b.shape[1]
@@ -134,9 +137,23 @@ def _ts_nn(what, a, b, b_nk: bool, bias, out, accumulate):
         out = native.empty(M, N)  # huge pages for a large output: no page fault per 4 KiB
     elif out.dtype != torch.float32 or tuple(out.shape) != (M, N) or not out.is_contiguous():
         raise ValueError(f"{what}: out must be a contiguous float32 ({M}, {N}) tensor, got {out.dtype} {tuple(out.shape)}")
+    if keep is not None:
+        _ts_check(what, ("keep", keep))
+        if tuple(keep.shape) != (M, N):
+            raise ValueError(f"{what}: keep must have the output's shape ({M}, {N}), got {tuple(keep.shape)}")
+    if accumulate and (relu or keep is not None):
+        raise ValueError(f"{what}: relu and keep apply to a written output, not with accumulate=True")
     if M == 0:  # an empty tensor's data pointer may be NULL, which the kernel refuses
         return out
     ffi = native.ffi()
+    if relu or keep is not None:
+        st = native.kernel("ts_gemm_nn_ep_f32")(_ptr(a), M, K, _ptr(b), N, int(b_nk),
+                                                ffi.NULL if bias is None else _ptr(bias), int(relu),
+                                                ffi.NULL if keep is None else _ptr(keep), _ptr(out),
+                                                torch.get_num_threads())
+        if st:
+            native.check(st, "ts_gemm_nn_ep_f32", f"{tuple(a.shape)} x {tuple(b.shape)}")
+        return out
     st = native.kernel("ts_gemm_nn_f32")(_ptr(a), M, K, _ptr(b), N, int(b_nk), ffi.NULL if bias is None else _ptr(bias),
                                          int(accumulate), _ptr(out), torch.get_num_threads())
     if st:

@@ -13,6 +13,9 @@
  *   ts_gemm_nn_f32: C (M x N) = A (M x K) B' (+ bias[N]) (+ C when accumulate), B' = B (K x N,
  *                   b_nk = 0: a gradient times a weight) or B^T (B N x K, b_nk = 1: nn.Linear's
  *                   weight). Rows split across threads in contiguous blocks.
+ *   ts_gemm_nn_ep_f32: ts_gemm_nn_f32 without accumulate, with an epilogue: relu (C = max(0, .)) and/or
+ *                   keep (C = . where keep > 0, else 0; keep M x N like C): a Linear + ReLU's forward, and
+ *                   the input gradient of a Linear whose input came out of a ReLU (keep: that output).
  *   ts_gemm_nn2_f32: C (M x N) = A1 W1^T + A2 W2^T (+ bias), W1 N x K1, W2 N x K2: two linear
  *                   layers summed (SAGEConv's lin_l(aggr) + lin_r(x)) in one pass over C.
  *   ts_gemm_tn_f32: C (N1 x N2) = A^T B, A M x N1, B M x N2 (a weight gradient g^T x), and
@@ -63,6 +66,19 @@ static inline __m256i KFN(co_ts_mask)(int64_t n) { /* lanes [0, n) on, n in [0, 
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), idx);
 }
 
+/* the epilogue's options on 8 columns: relu (max(0, v): NaN and -0 pass as torch's relu passes them)
+ * and keep (v where keep > 0 or NaN, else 0: torch's threshold_backward(v, keep, 0), a ReLU's input
+ * gradient from its output); kp = NULL: no keep. m: the lanes to read when !full */
+static inline __attribute__((always_inline)) __m256 KFN(co_ts_ep8)(__m256 v, int relu, const float *kp, __m256i m,
+                                                                   int full) {
+    if (relu) v = _mm256_max_ps(_mm256_setzero_ps(), v);
+    if (kp) {
+        const __m256 kv = full ? _mm256_loadu_ps(kp) : _mm256_maskload_ps(kp, m);
+        v = _mm256_and_ps(v, _mm256_cmp_ps(kv, _mm256_setzero_ps(), _CMP_NLE_UQ));
+    }
+    return v;
+}
+
 #if defined(CO_VARIANT_AVX512)
 
 /* c[r] += a[r * rs + k * ks] * bp[k * bs + 0:16] over k in [0, K), rows r in [0, R): the rank-1
@@ -79,11 +95,19 @@ KFN(co_ts_fma)(const int R, const float *a, int64_t rs, int64_t ks, const float 
     }
 }
 
+/* co_ts_ep8 on 16 columns (m: the lanes read) */
+static inline __attribute__((always_inline)) __m512 KFN(co_ts_ep16)(__m512 v, int relu, const float *kp, __mmask16 m) {
+    if (relu) v = _mm512_max_ps(_mm512_setzero_ps(), v);
+    if (kp) v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(m, kp), _mm512_setzero_ps(), _CMP_NLE_UQ), v);
+    return v;
+}
+
 /* rows [0, R) of the R x 16 tile c[:, n0 : n0 + ncols] from A rows a (lda = K) and one panel bp;
- * columns past ncols neither read nor written (k-masks) */
+ * columns past ncols neither read nor written (k-masks); kp: keep's rows beside c's (co_ts_ep8) */
 static inline __attribute__((always_inline)) void
 KFN(co_ts_tile)(const int R, const float *a, int64_t K, const float *bp, const float *a2, int64_t K2,
-                const float *bp2, const float *bias, int acc, float *c, int64_t ldc, int64_t ncols) {
+                const float *bp2, const float *bias, int acc, const float *kp, int relu, float *c, int64_t ldc,
+                int64_t ncols) {
     __m512 c0[CO_TS_MRV];
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) c0[r] = _mm512_setzero_ps();
@@ -96,6 +120,7 @@ KFN(co_ts_tile)(const int R, const float *a, int64_t K, const float *bp, const f
         float *cr = c + r * ldc;
         __m512 v = _mm512_add_ps(c0[r], bi);
         if (acc == 1) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, cr));
+        v = KFN(co_ts_ep16)(v, relu, kp ? kp + r * ldc : NULL, m);
         if (acc == 2 && ncols == CO_TS_NR) /* streaming stores: C is written once and larger than the caches */
             _mm512_stream_ps(cr, v);
         else
@@ -124,7 +149,7 @@ KFN(co_ts_fma2)(const float *a, int64_t K, const float *p0, const float *p1, __m
  * (the second masked past ncols); the same products in the same order as two co_ts_tile calls */
 static inline __attribute__((always_inline)) void
 KFN(co_ts_tile2)(const float *a, int64_t K, const float *bp, const float *a2, int64_t K2, const float *bp2,
-                 const float *bias, int acc, float *c, int64_t ldc, int64_t ncols) {
+                 const float *bias, int acc, const float *kp, int relu, float *c, int64_t ldc, int64_t ncols) {
     __m512 c0[CO_TS_MRV], c1[CO_TS_MRV];
 #pragma GCC unroll 12
     for (int r = 0; r < CO_TS_MRV; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
@@ -142,6 +167,8 @@ KFN(co_ts_tile2)(const float *a, int64_t K, const float *bp, const float *a2, in
             v0 = _mm512_add_ps(v0, _mm512_loadu_ps(cr));
             v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m, cr + CO_TS_NR));
         }
+        v0 = KFN(co_ts_ep16)(v0, relu, kp ? kp + r * ldc : NULL, (__mmask16)0xFFFF);
+        v1 = KFN(co_ts_ep16)(v1, relu, kp ? kp + r * ldc + CO_TS_NR : NULL, m);
         if (acc == 2 && n1 == CO_TS_NR) {
             _mm512_stream_ps(cr, v0);
             _mm512_stream_ps(cr + CO_TS_NR, v1);
@@ -175,7 +202,8 @@ KFN(co_ts_fma)(const int R, const float *a, int64_t rs, int64_t ks, const float 
 /* rows [0, R) of the R x 16 tile c[:, n0 : n0 + ncols] from A rows a (lda = K) and one panel bp */
 static inline __attribute__((always_inline)) void
 KFN(co_ts_tile)(const int R, const float *a, int64_t K, const float *bp, const float *a2, int64_t K2,
-                const float *bp2, const float *bias, int acc, float *c, int64_t ldc, int64_t ncols) {
+                const float *bp2, const float *bias, int acc, const float *kp, int relu, float *c, int64_t ldc,
+                int64_t ncols) {
     __m256 c0[CO_TS_MR], c1[CO_TS_MR];
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
@@ -191,9 +219,10 @@ KFN(co_ts_tile)(const int R, const float *a, int64_t K, const float *bp, const f
             if (acc == 1) {
                 v0 = _mm256_add_ps(v0, _mm256_loadu_ps(cr));
                 v1 = _mm256_add_ps(v1, _mm256_loadu_ps(cr + 8));
-                _mm256_storeu_ps(cr, v0);
-                _mm256_storeu_ps(cr + 8, v1);
-            } else if (acc == 2) { /* streaming stores: C is written once and larger than the caches */
+            }
+            v0 = KFN(co_ts_ep8)(v0, relu, kp ? kp + r * ldc : NULL, _mm256_setzero_si256(), 1);
+            v1 = KFN(co_ts_ep8)(v1, relu, kp ? kp + r * ldc + 8 : NULL, _mm256_setzero_si256(), 1);
+            if (acc == 2) { /* streaming stores: C is written once and larger than the caches */
                 _mm256_stream_ps(cr, v0);
                 _mm256_stream_ps(cr + 8, v1);
             } else {
@@ -215,6 +244,8 @@ KFN(co_ts_tile)(const int R, const float *a, int64_t K, const float *bp, const f
             v0 = _mm256_add_ps(v0, _mm256_maskload_ps(cr, m0));
             if (n1) v1 = _mm256_add_ps(v1, _mm256_maskload_ps(cr + 8, m1));
         }
+        v0 = KFN(co_ts_ep8)(v0, relu, kp ? kp + r * ldc : NULL, m0, 0);
+        v1 = KFN(co_ts_ep8)(v1, relu, kp && n1 ? kp + r * ldc + 8 : NULL, m1, 0);
         _mm256_maskstore_ps(cr, m0, v0);
         if (n1) _mm256_maskstore_ps(cr + 8, m1, v1);
     }
@@ -226,7 +257,7 @@ KFN(co_ts_tile)(const int R, const float *a, int64_t K, const float *bp, const f
  * tile would compute 16 columns of which 8 or fewer are kept: half its multiply-adds wasted. */
 static inline __attribute__((always_inline)) void
 KFN(co_ts_tile8)(const int R, const float *a, int64_t K, const float *bp, const float *a2, int64_t K2,
-                 const float *bp2, const float *bias, int acc, float *c, int64_t ncols) {
+                 const float *bp2, const float *bias, int acc, const float *kp, int relu, float *c, int64_t ncols) {
     __m256 c0[CO_TS_MR8];
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) c0[r] = _mm256_setzero_ps();
@@ -249,27 +280,28 @@ KFN(co_ts_tile8)(const int R, const float *a, int64_t K, const float *bp, const 
     for (int r = 0; r < R; ++r) {
         float *cr = c + r * ncols;
         __m256 v = _mm256_add_ps(c0[r], bi);
+        if (acc == 1) v = _mm256_add_ps(v, ncols == 8 ? _mm256_loadu_ps(cr) : _mm256_maskload_ps(cr, m0));
+        v = KFN(co_ts_ep8)(v, relu, kp ? kp + r * ncols : NULL, m0, ncols == 8);
         if (ncols == 8 && acc == 2) {
             _mm256_stream_ps(cr, v);
         } else if (ncols == 8) {
-            if (acc == 1) v = _mm256_add_ps(v, _mm256_loadu_ps(cr));
             _mm256_storeu_ps(cr, v);
         } else {
-            if (acc == 1) v = _mm256_add_ps(v, _mm256_maskload_ps(cr, m0));
             _mm256_maskstore_ps(cr, m0, v);
         }
     }
 }
 
 static void KFN(co_ts_rows)(int64_t R, const float *a, int64_t K, const float *bp, const float *a2, int64_t K2,
-                            const float *bp2, int64_t N, const float *bias, int acc, float *c) {
+                            const float *bp2, int64_t N, const float *bias, int acc, const float *kp, int relu,
+                            float *c) {
     if (N <= 8) {
         switch (R) {
-#define CO_TS_T8(n) case n: KFN(co_ts_tile8)(n, a, K, bp, a2, K2, bp2, bias, acc, c, N); return;
+#define CO_TS_T8(n) case n: KFN(co_ts_tile8)(n, a, K, bp, a2, K2, bp2, bias, acc, kp, relu, c, N); return;
         CO_TS_T8(12) CO_TS_T8(11) CO_TS_T8(10) CO_TS_T8(9) CO_TS_T8(8) CO_TS_T8(7)
         CO_TS_T8(6) CO_TS_T8(5) CO_TS_T8(4) CO_TS_T8(3) CO_TS_T8(2)
 #undef CO_TS_T8
-        default: KFN(co_ts_tile8)(1, a, K, bp, a2, K2, bp2, bias, acc, c, N); return;
+        default: KFN(co_ts_tile8)(1, a, K, bp, a2, K2, bp2, bias, acc, kp, relu, c, N); return;
         }
     }
     int64_t n0 = 0;
@@ -278,21 +310,22 @@ static void KFN(co_ts_rows)(int64_t R, const float *a, int64_t K, const float *b
         for (; n0 + CO_TS_NR < N; n0 += 2 * CO_TS_NR)
             KFN(co_ts_tile2)(a, K, bp + (n0 / CO_TS_NR) * K * CO_TS_NR, a2, K2,
                              a2 ? bp2 + (n0 / CO_TS_NR) * K2 * CO_TS_NR : NULL, bias ? bias + n0 : NULL, acc,
-                             c + n0, N, N - n0 < 2 * CO_TS_NR ? N - n0 : 2 * CO_TS_NR);
+                             kp ? kp + n0 : NULL, relu, c + n0, N, N - n0 < 2 * CO_TS_NR ? N - n0 : 2 * CO_TS_NR);
 #endif
     for (; n0 < N; n0 += CO_TS_NR) {
         const float *p = bp + (n0 / CO_TS_NR) * K * CO_TS_NR;
         const float *p2 = a2 ? bp2 + (n0 / CO_TS_NR) * K2 * CO_TS_NR : NULL;
         const float *bi = bias ? bias + n0 : NULL;
         const int64_t nc = N - n0 < CO_TS_NR ? N - n0 : CO_TS_NR;
+        const float *kq = kp ? kp + n0 : NULL;
         switch (R) {
-#define CO_TS_T(n) case n: KFN(co_ts_tile)(n, a, K, p, a2, K2, p2, bi, acc, c + n0, N, nc); break;
+#define CO_TS_T(n) case n: KFN(co_ts_tile)(n, a, K, p, a2, K2, p2, bi, acc, kq, relu, c + n0, N, nc); break;
 #if CO_TS_MRV == 12
         CO_TS_T(12) CO_TS_T(11) CO_TS_T(10) CO_TS_T(9) CO_TS_T(8) CO_TS_T(7)
 #endif
         CO_TS_T(6) CO_TS_T(5) CO_TS_T(4) CO_TS_T(3) CO_TS_T(2)
 #undef CO_TS_T
-        default: KFN(co_ts_tile)(1, a, K, p, a2, K2, p2, bi, acc, c + n0, N, nc); break;
+        default: KFN(co_ts_tile)(1, a, K, p, a2, K2, p2, bi, acc, kq, relu, c + n0, N, nc); break;
         }
     }
 }
@@ -385,7 +418,8 @@ static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int6
 #else /* base: plain loops the compiler vectorizes as it can */
 
 static void KFN(co_ts_rows)(int64_t R, const float *a, int64_t K, const float *bp, const float *a2, int64_t K2,
-                            const float *bp2, int64_t N, const float *bias, int acc, float *c) {
+                            const float *bp2, int64_t N, const float *bias, int acc, const float *kp, int relu,
+                            float *c) {
     for (int64_t r = 0; r < R; ++r)
         for (int64_t n = 0; n < N; ++n) {
             const float *p = bp + (n / CO_TS_NR) * K * CO_TS_NR + n % CO_TS_NR;
@@ -396,7 +430,10 @@ static void KFN(co_ts_rows)(int64_t R, const float *a, int64_t K, const float *b
                 for (int64_t k = 0; k < K2; ++k) s += a2[r * K2 + k] * p2[k * CO_TS_NR];
             }
             s += bias ? bias[n] : 0.f;
-            c[r * N + n] = acc == 1 ? c[r * N + n] + s : s;
+            if (acc == 1) s += c[r * N + n];
+            if (relu && s < 0.f) s = 0.f;              /* NaN and -0 pass, as max(0, s) on the vector paths */
+            if (kp && kp[r * N + n] <= 0.f) s = 0.f;   /* keep NaN: passes */
+            c[r * N + n] = s;
         }
 }
 
@@ -418,10 +455,10 @@ static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int6
 
 /* C = A B' (+ A2 B2^T when a2) (+ bias) (+ C when accumulate): the body of both entry points */
 static int64_t KFN(co_ts_nn)(const float *a, int64_t M, int64_t K, const float *b, int64_t N, int b_nk,
-                             const float *a2, int64_t K2, const float *b2, const float *bias, int accumulate, float *c,
-                             int nthreads) {
+                             const float *a2, int64_t K2, const float *b2, const float *bias, int accumulate,
+                             int relu, const float *keep, float *c, int nthreads) {
     if (M < 0 || K < 1 || K > CO_TS_MAX_DIM || N < 1 || N > CO_TS_MAX_DIM || nthreads < 1 ||
-        (b_nk != 0 && b_nk != 1) || (accumulate != 0 && accumulate != 1) ||
+        (b_nk != 0 && b_nk != 1) || (accumulate != 0 && accumulate != 1) || (relu != 0 && relu != 1) ||
         (a2 && (K2 < 1 || K2 > CO_TS_MAX_DIM || !b2)))
         return CO_ERR_BAD_ARGUMENT;
     if (!a || !b || !c) return CO_ERR_BAD_ARGUMENT;
@@ -456,7 +493,8 @@ static int64_t KFN(co_ts_nn)(const float *a, int64_t M, int64_t K, const float *
         if (r1 > M) r1 = M;
         for (int64_t r = r0; r < r1; r += mr) {
             const int64_t R = r1 - r < mr ? r1 - r : mr;
-            KFN(co_ts_rows)(R, a + r * K, K, bp, a2 ? a2 + r * K2 : NULL, k2, bp2, N, bias, mode, c + r * N);
+            KFN(co_ts_rows)(R, a + r * K, K, bp, a2 ? a2 + r * K2 : NULL, k2, bp2, N, bias, mode,
+                            keep ? keep + r * N : NULL, relu, c + r * N);
         }
 #if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
         if (mode == 2) _mm_sfence();
@@ -468,13 +506,18 @@ static int64_t KFN(co_ts_nn)(const float *a, int64_t M, int64_t K, const float *
 
 int64_t KFN(ts_gemm_nn_f32)(const float *a, int64_t M, int64_t K, const float *b, int64_t N, int b_nk,
                             const float *bias, int accumulate, float *c, int nthreads) {
-    return KFN(co_ts_nn)(a, M, K, b, N, b_nk, NULL, 0, NULL, bias, accumulate, c, nthreads);
+    return KFN(co_ts_nn)(a, M, K, b, N, b_nk, NULL, 0, NULL, bias, accumulate, 0, NULL, c, nthreads);
+}
+
+int64_t KFN(ts_gemm_nn_ep_f32)(const float *a, int64_t M, int64_t K, const float *b, int64_t N, int b_nk,
+                               const float *bias, int relu, const float *keep, float *c, int nthreads) {
+    return KFN(co_ts_nn)(a, M, K, b, N, b_nk, NULL, 0, NULL, bias, 0, relu, keep, c, nthreads);
 }
 
 int64_t KFN(ts_gemm_nn2_f32)(const float *a1, int64_t M, int64_t K1, const float *w1, const float *a2, int64_t K2,
                              const float *w2, int64_t N, const float *bias, float *c, int nthreads) {
     if (!a2) return CO_ERR_BAD_ARGUMENT;
-    return KFN(co_ts_nn)(a1, M, K1, w1, N, 1, a2, K2, w2, bias, 0, c, nthreads);
+    return KFN(co_ts_nn)(a1, M, K1, w1, N, 1, a2, K2, w2, bias, 0, 0, NULL, c, nthreads);
 }
 
 int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *b, int64_t N2, float *c,

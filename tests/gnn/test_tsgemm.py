@@ -236,6 +236,8 @@ def test_pyg_models_train_on_the_tall_skinny_gemm_where_routed(name):
         assert not any("oneDNN" in k and v for k, v in ran.items()), ran
     else:  # AVX-512 or no vectorized build: the kernel is not used
         assert native_ran == 0, ran
+    if name == "gin" and gpyg._native_linear_route():  # layer 1's nn (32 -> 64 -> 64) as one fused call
+        assert sum(v for k, v in ran.items() if "Linear -> ReLU -> Linear" in k) == 1, ran
     if name.startswith("sage"):  # lin_l(aggr) + lin_r(x) as one output where PyG's order is kept: layer 1
         # (32 -> 64 widens) and, for max (no linear map before a max), layer 2
         assert sum(v for k, v in ran.items() if "lin_l + lin_r" in k or "accumulated into lin_l" in k) == \
@@ -244,6 +246,123 @@ def test_pyg_models_train_on_the_tall_skinny_gemm_where_routed(name):
     for gf, gb in zip(grads[1], grads[0]):
         assert _rel(gf, gb.double()) < 1e-3
 
+
+
+@pytest.mark.parametrize("M,K,N", [(37, 64, 64), (25, 9, 8), (1000, 64, 48), (999, 17, 33), (100003, 64, 64),
+                                   (13, 5, 3), (40001, 16, 8)])
+def test_epilogue_relu_and_keep_equal_torch_on_the_kernels_own_product(M, K, N):
+    """ts_gemm_nn_ep_f32's relu is torch.relu of the plain kernel's output and its keep is torch's
+    threshold_backward(., keep, 0), bit for bit, in every variant and thread count: NaN passes relu
+    and passes where keep is NaN, -0 passes relu, keep <= 0 (including -0) zeroes; rows remainders,
+    masked columns, N <= 8 tiles and streaming stores (M * N >= 2^21) included."""
+    g = torch.Generator().manual_seed(M * 3 + K + N)
+    a = torch.randn(M, K, generator=g)
+    a[::7, 0] = float("nan")       # NaN outputs in those rows
+    w, bias = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    keep = torch.randn(M, N, generator=g)
+    keep[::5] = 0.0
+    keep[1::5] = -0.0
+    keep[2::11, : min(N, 3)] = float("nan")
+    for v in runnable():
+        for nt in (1, 2):
+            ep = native.kernel("ts_gemm_nn_ep_f32", v)
+            for relu, kp in ((1, None), (0, keep), (1, keep)):
+                out = torch.full((M, N), 7.0)
+                st = ep(_p(a), M, K, _p(w), N, 1, _p(bias), relu, native.ffi().NULL if kp is None else _p(kp), _p(out), nt)
+                native.check(st, "ts_gemm_nn_ep_f32")
+                ref = _nn(a, w, True, bias, torch.empty(M, N), False, v, nt)
+                if relu:
+                    ref = torch.relu(ref)
+                if kp is not None:
+                    ref = torch.ops.aten.threshold_backward(ref, kp, 0)
+                assert torch.equal(out.nan_to_num(5.0), ref.nan_to_num(5.0)), (v, nt, relu, kp is not None)
+                assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.signbit(), ref.signbit())
+    # -0 through relu: an output of exactly -0 (a zero row times anything, negative bias none) stays -0
+    z = torch.zeros(3, 4)
+    for v in runnable():
+        out = torch.empty(3, 2)
+        wneg = -torch.ones(2, 4)
+        native.check(native.kernel("ts_gemm_nn_ep_f32", v)(_p(z), 3, 4, _p(wneg), 2, 1, native.ffi().NULL, 1,
+                                                           native.ffi().NULL, _p(out), 1), "ep")
+        assert torch.equal(out.signbit(), torch.relu(z @ wneg.t()).signbit()), v
+
+
+def test_epilogue_wrappers_check_their_arguments():
+    x, w = torch.randn(10, 4), torch.randn(3, 4)
+    with pytest.raises(ValueError, match="keep must have the output's shape"):
+        NL.ts_matmul(x, w.t().contiguous(), keep=torch.randn(10, 4))
+    with pytest.raises(ValueError, match="keep.*float32"):
+        NL.ts_matmul(x, w.t().contiguous(), keep=torch.randn(10, 3).double())
+    with pytest.raises(ValueError, match="not with accumulate"):
+        NL.ts_linear(x, w, out=torch.zeros(10, 3), accumulate=True, relu=True)
+    assert torch.equal(NL.ts_linear(x, w, relu=True), torch.relu(NL.ts_linear(x, w)))
+    ep = native.kernel("ts_gemm_nn_ep_f32")
+    c = torch.zeros(10, 3)
+    assert ep(_p(x), 10, 4, _p(w), 3, 1, native.ffi().NULL, 2, native.ffi().NULL, _p(c), 1) == -2  # relu not 0/1
+    assert torch.equal(c, torch.zeros(10, 3))
+
+
+@pytest.mark.parametrize("biases", [(True, True), (False, True), (True, False)])
+def test_native_mlp_matches_autograd_and_double_backward(biases):
+    """Linear -> ReLU -> Linear as one _NativeMLP: output and all five gradients against float64
+    autograd (ReLU zeros included: a third of the hidden units negative), and create_graph=True
+    (double backward) against torch's own modules."""
+    g = torch.Generator().manual_seed(sum(biases))
+    x = torch.randn(20000, 32, generator=g, requires_grad=True)
+    w1 = torch.randn(48, 32, generator=g).mul_(0.2).requires_grad_()
+    w2 = torch.randn(16, 48, generator=g).mul_(0.2).requires_grad_()
+    b1 = torch.randn(48, generator=g).requires_grad_() if biases[0] else None
+    b2 = torch.randn(16, generator=g).requires_grad_() if biases[1] else None
+    go = torch.randn(20000, 16, generator=g)
+    leaves = [t for t in (x, w1, b1, w2, b2) if t is not None]
+    y = gpyg._NativeMLP.apply(x, w1, b1, w2, b2)
+    y.backward(go)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    d = dict(zip([n for n, t in zip("x w1 b1 w2 b2".split(), (x, w1, b1, w2, b2)) if t is not None], ref_leaves))
+    ref = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(d["x"], d["w1"], d.get("b1"))),
+                                     d["w2"], d.get("b2"))
+    ref.backward(go.double())
+    assert _rel(y.detach(), ref.detach()) < 1e-5
+    for t, r in zip(leaves, ref_leaves):
+        assert _rel(t.grad, r.grad) < 1e-5
+    # double backward: d/dw1 of sum(grad_x^2), fused against torch's modules (float32 both)
+    def second(fn):
+        out = fn()
+        gx, = torch.autograd.grad(out, x, go, create_graph=True)
+        return torch.autograd.grad(gx.pow(2).sum(), w1)[0]
+    fused = second(lambda: gpyg._NativeMLP.apply(x, w1, b1, w2, b2))
+    eager = second(lambda: torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1, b1)), w2, b2))
+    assert _rel(fused, eager.double()) < 1e-4
+
+
+def test_mlp_fusion_in_a_gin_and_hooks_keep_the_modules():
+    """gnn.optimize runs a GINConv's Linear -> ReLU -> Linear as one fused call (counted), the same
+    numbers as PyG; a forward hook on the ReLU makes it run the three modules (the hook is called)."""
+    pytest.importorskip("torch_geometric")
+    from torch_geometric.nn import GINConv
+
+    from cpu_opt.gnn.rmat import rmat_edge_index
+
+    n = 20000
+    ei = rmat_edge_index(n, 100000, seed=3)
+    torch.manual_seed(1)
+    base = GINConv(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)))
+    x = torch.randn(n, 16)
+    fast = gnn.optimize(copy.deepcopy(base))
+    key = "linear: cpu_opt tall-skinny GEMM (Linear -> ReLU -> Linear, the ReLU in the epilogues)"
+    before = gpyg._counts[key]
+    out = fast(x, ei)
+    fused = gpyg._counts[key] - before
+    assert fused == (1 if gpyg._native_linear_route() else 0)
+    assert _rel(out, base(x, ei).double()) < 1e-4
+    if fused:
+        assert any("the ReLU in the epilogues" in r["why"] for r in fast.report()["routed"])
+    calls = []
+    fast.model.nn[1].register_forward_hook(lambda m, i, o: calls.append(o.shape))
+    before = gpyg._counts[key]
+    out2 = fast(x, ei)
+    assert gpyg._counts[key] == before and calls == [(n, 64)]
+    assert _rel(out2, out.double()) < 1e-5
 
 def test_outputs_are_fresh_tensors_each_call():
     w = torch.randn(8, 16)
