@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import cpu_opt
-from cpu_opt import hw, routing
+from cpu_opt import hw, native, routing
 from cpu_opt.platform import calibrate, profile
 
 
@@ -83,6 +83,11 @@ def test_calibrate_writes_a_profile_that_routes_then_follow():
     # fp32 candidates that ran here include cpu_opt's oneDNN and torch's kernel (fp32 is never refused)
     fp32 = loaded.case("linear", "fp32", "m128")
     assert {"onednn", "torch"} <= set(fp32.times_ms)
+    # cpu_opt.gnn's Linear layers: the tall-skinny GEMM against torch's F.linear + autograd (a training step)
+    gl = loaded.case("gnn_linear", "fp32", profile.DEFAULT_CLASS)
+    want = {"tall_skinny", "torch"} if native.vectorized() else {"torch"}
+    assert set(gl.times_ms) == want, (gl.times_ms, gl.excluded)
+    assert gl.winner in want and routing.route("gnn_linear", "fp32").source == "measured"
 
 
 def test_calibrate_cli_quick_json_writes_nothing(cache):

@@ -14,7 +14,10 @@ Shapes (full size; ``--quick`` shrinks them for tests):
   LLM decoding), and BERT's FFN in, x (M, 768) @ W (768, 3072) at M = 128 and 2048; fp32 (MKL's
   packed sgemm among the candidates), bf16, and int8 (u8 activations, per-channel s8 weights);
 * int8 convolution: 1 x 64 x 56 x 56, 64 filters 3x3, padding 1 (a ResNet stage);
-* attention: batch 1, 12 heads, sequence 256, head size 64, fp32 and bf16.
+* attention: batch 1, 12 heads, sequence 256, head size 64, fp32 and bf16;
+* gnn_linear: a node-feature Linear layer's training step in ``cpu_opt.gnn`` (forward, input and
+  weight gradients), 100,000 rows x 64 -> 64, on the tall-skinny GEMM against torch's ``F.linear``
+  and autograd.
 
 What is *not* measured here, on purpose: fp32/bf16 convolutions and matmuls of two activations.
 They run inside oneDNN Graph partitions with the ops around them fused in; timing them bare and
@@ -64,6 +67,7 @@ SPECS = (
     Spec("conv", "int8", profile.DEFAULT_CLASS, (1, 64, 56, 56, 64, 3), (1, 8, 10, 10, 8, 3)),
     Spec("attention", "fp32", profile.DEFAULT_CLASS, (1, 12, 256, 64), (1, 2, 16, 8)),
     Spec("attention", "bf16", profile.DEFAULT_CLASS, (1, 12, 256, 64), (1, 2, 16, 8)),
+    Spec("gnn_linear", "fp32", profile.DEFAULT_CLASS, (100_000, 64, 64), (2048, 16, 16)),
 )
 TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Relative error (max |diff| / max |ref|) a candidate may show against the float64 reference.
@@ -301,6 +305,37 @@ def _attention(dtype: str, dims) -> Built:
     return out
 
 
+def _gnn_linear(dims) -> Built:
+    """A node-feature Linear layer's training step as ``cpu_opt.gnn`` runs it: forward, then the input
+    and weight gradients (what a full-batch GNN layer does once per epoch); the weight gradient is
+    checked against float64."""
+    from .. import native
+    from ..gnn import pyg as gpyg
+
+    m, k, n = dims
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).requires_grad_()
+    w = (torch.randn(n, k, generator=g) / math.sqrt(k)).requires_grad_()
+    b = torch.randn(n, generator=g).requires_grad_()
+    go = torch.randn(m, n, generator=g)
+    out = Built(f"{m} rows x {k} -> {n}, forward + backward")
+    check = _float_check(go.double().t() @ x.detach().double(), "fp32")
+
+    def step(f):
+        def run():
+            x.grad = w.grad = b.grad = None
+            f(x, w, b).backward(go)
+            return w.grad
+        return run
+
+    if native.vectorized() and gpyg.native_linear.ts_fits(k, n):
+        _admit(out, "tall_skinny", lambda: step(gpyg._NativeLinear.apply), check)
+    else:
+        out.excluded["tall_skinny"] = "refused: no vectorized build of cpu_opt's native kernels here"
+    _admit(out, "torch", lambda: step(F.linear), check)
+    return out
+
+
 def build(spec: Spec, quick: bool) -> Built:
     dims = spec.quick_dims if quick else spec.dims
     if spec.work == "linear":
@@ -309,6 +344,8 @@ def build(spec: Spec, quick: bool) -> Built:
         return _conv_int8(dims)
     if spec.work == "attention":
         return _attention(spec.dtype, dims)
+    if spec.work == "gnn_linear":
+        return _gnn_linear(dims)
     raise ValueError(f"no calibration case for work {spec.work!r}")
 
 

@@ -34,7 +34,7 @@ DEFAULT_CLASS = "default"
 # What a profile may route: the work calibrate measures on its own (calibrate.py says why fp32/bf16
 # convolutions and activation matmuls are not among them). A case outside this set is refused.
 MEASURED = {("linear", "fp32"), ("linear", "bf16"), ("linear", "int8"), ("conv", "int8"),
-            ("attention", "fp32"), ("attention", "bf16")}
+            ("attention", "fp32"), ("attention", "bf16"), ("gnn_linear", "fp32")}
 REPRESENTATIVE_ROWS = {"gemv": 1, "m128": 128, "m2048": 2048}  # the rows calibrate measures each class at
 
 
