@@ -455,9 +455,12 @@ class _NativeMLP(torch.autograd.Function):
 
 
 def _plain(m) -> bool:
-    """A module without hooks (whose call is its forward)."""
+    """A module without hooks of its own or global ones (whose call is its forward)."""
+    from torch.nn.modules import module as M
+
     return not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                or getattr(m, "_forward_hooks_with_kwargs", None))
+                or M._global_forward_hooks or M._global_forward_pre_hooks or M._global_backward_hooks
+                or M._global_backward_pre_hooks)
 
 
 def _mlp_fits(x, lin1, act, lin2) -> bool:

@@ -357,6 +357,17 @@ def test_mlp_fusion_in_a_gin_and_hooks_keep_the_modules():
     assert _rel(out, base(x, ei).double()) < 1e-4
     if fused:
         assert any("the ReLU in the epilogues" in r["why"] for r in fast.report()["routed"])
+    before = gpyg._counts[key]
+    with torch.inference_mode():   # serving: the same fused call, no graph kept
+        assert _rel(fast(x, ei), out.double()) < 1e-6
+    assert gpyg._counts[key] - before == fused
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:   # a global module hook must see every module: nothing fused while one is registered
+        before = gpyg._counts[key]
+        fast(x, ei)
+        assert gpyg._counts[key] == before
+    finally:
+        handle.remove()
     calls = []
     fast.model.nn[1].register_forward_hook(lambda m, i, o: calls.append(o.shape))
     before = gpyg._counts[key]
