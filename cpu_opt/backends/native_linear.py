@@ -181,3 +181,72 @@ def ts_weight_grad(g: torch.Tensor, x: torch.Tensor, bias: bool = False):
     if st:
         native.check(st, "ts_gemm_tn_f32", f"{tuple(g.shape)}^T x {tuple(x.shape)}")
     return gw, gb
+
+
+# ----------------------------------------------------------------------------- packed GEMMs
+
+def pack_weight(w: torch.Tensor, kn: bool = False) -> torch.Tensor:
+    """The weight of a linear layer (``w`` (N, K), nn.Linear's layout, or (K, N) when ``kn``) packed
+    for :func:`packed_linear`: ceil(N / 16) panels of K x 16 floats (``native/kernels/sgemm.c``), a
+    flat float32 tensor made once per layer."""
+    if w.dtype != torch.float32 or w.dim() != 2 or w.device.type != "cpu":
+        raise ValueError(f"pack_weight: w must be a 2-D float32 CPU tensor, got {w.dtype} {tuple(w.shape)} ({w.device})")
+    w = w.detach().contiguous()
+    n, k = (w.shape[1], w.shape[0]) if kn else tuple(w.shape)
+    if n < 1 or k < 1:
+        raise ValueError(f"pack_weight: an empty weight {tuple(w.shape)}")
+    size = int(native.kernel("sgemm_packed_size")(n, k))
+    packed = torch.empty(size, dtype=torch.float32)
+    native.check(native.kernel("sgemm_pack_f32")(_ptr(w), n, k, int(kn), _ptr(packed)), "sgemm_pack_f32",
+                 f"{tuple(w.shape)}")
+    return packed
+
+
+class PackedLinear:
+    """One linear layer's call target on cpu_opt's packed GEMM: ``PackedLinear(n, k)(x, wp, b, add=None,
+    relu=False)`` is ``F.linear(x, W, b)`` (``+ add``, then ``relu``) for the weight ``W`` (n, k) that
+    :func:`pack_weight` made ``wp`` from. The kernel resolved once, when the layer is routed."""
+
+    def __init__(self, n: int, k: int, relu: bool = False):
+        self.n, self.k, self.relu = int(n), int(k), bool(relu)
+        self._kernel = native.kernel("sgemm_packed_f32")
+        self.__name__ = "sgemm_relu" if relu else "sgemm"
+        self.__qualname__ = f"PackedLinear({self.k}->{self.n}{', relu' if relu else ''})"
+
+    def __call__(self, x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None,
+                 add: torch.Tensor | None = None) -> torch.Tensor:
+        return packed_linear(x, wp, b, self.n, add=add, relu=self.relu, kernel=self._kernel)
+
+
+def packed_linear(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None, n: int, *,
+                  add: torch.Tensor | None = None, relu: bool = False, kernel=None) -> torch.Tensor:
+    """``x @ W.T + b`` (``+ add``; ``relu`` of it) with ``wp = pack_weight(W)``, ``W`` (n, K) where K is
+    ``x``'s last dimension; a new (…, n) tensor on every call."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1:
+        raise ValueError(f"packed_linear: x must be a float32 CPU tensor, got {x.dtype} {tuple(x.shape)} ({x.device})")
+    k = x.shape[-1]
+    if k < 1 or n < 1 or wp.dtype != torch.float32 or not wp.is_contiguous() or \
+            wp.numel() != int(native.kernel("sgemm_packed_size")(n, k)):
+        raise ValueError(f"packed_linear: the packed weight ({wp.dtype}, {wp.numel()} values) was not packed for "
+                         f"{n} outputs of {k} inputs")
+    if b is not None and (b.dtype != torch.float32 or b.numel() != n or not b.is_contiguous()):
+        raise ValueError(f"packed_linear: bias must be {n} contiguous float32 values, got {b.dtype} {tuple(b.shape)}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1 or x2.stride(0) < k:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    if add is not None:
+        if add.dtype != torch.float32 or tuple(add.shape) != tuple(out.shape):
+            raise ValueError(f"packed_linear: add must be a float32 tensor of the output's shape {tuple(out.shape)}, "
+                             f"got {add.dtype} {tuple(add.shape)}")
+        add = add.contiguous()
+    if m == 0:
+        return out
+    ffi = native.ffi()
+    st = (kernel or native.kernel("sgemm_packed_f32"))(
+        _ptr(x2), m, k, x2.stride(0), _ptr(wp), n, ffi.NULL if b is None else _ptr(b),
+        ffi.NULL if add is None else _ptr(add), int(relu), _ptr(out), torch.get_num_threads())
+    if st:
+        native.check(st, "sgemm_packed_f32", f"{tuple(x.shape)} -> {n}")
+    return out

@@ -1,0 +1,208 @@
+/* A general fp32 GEMM against constant weights, packed once: the linear layers of a transformer or
+ * an MLP at 4+ rows (the GEMV in gemv.c takes 1-3). Where it is routed (AVX2 without AVX-512), the
+ * GEMM libraries reachable from Python leave a fifth of the FMA units idle: on 2 Zen 3 cores torch's
+ * oneDNN 3.12 (brg_matmul:avx2, packed weights) runs BERT's 128 x 768 x 3072 at 70-75 GFLOP/s per
+ * core, pip oneDNN 3.2 (gemm:jit) and MKL lower, against 100 for a register-only FMA loop and 96 for
+ * a 6 x 16 tile fed from L1. The classic blocking (Goto/BLIS) gets 81-89 there:
+ *
+ *   sgemm_pack_f32:   W (N x K, w_kn = 0: nn.Linear's weight; K x N, w_kn = 1) into ceil(N / 16)
+ *                     panels of K x 16 floats (column n of panel p: W's n = 16 p + j; zero past N).
+ *                     Done once per layer; the packed weight has sgemm_packed_size(N, K) floats.
+ *   sgemm_packed_f32: C (M x N) = A (M x K, row stride lda) W' (+ bias[N]) (+ add (M x N, row stride N))
+ *                     then max(0, .) when relu = 1.
+ *
+ * A is taken CO_SG_KC columns (a K block) by at most CO_SG_MC rows (an M block) at a time, copied
+ * into 6-row strips (k-major: one broadcast stream per tile) that stay in L2; each 16-column panel's
+ * K block (CO_SG_KC x 16 floats, 24 KiB) stays in L1 while every strip of the M block passes over
+ * it into a 6 x 16 register tile (12 ymm accumulators, 2 loads and 6 broadcasts per 12 FMAs). The
+ * K blocks of one tile add up in C (the first writes bias + its product, the last adds `add` and
+ * applies relu). Threads split the panels (each its own columns of C: no barrier, no reduction, the
+ * result independent of the thread count) or, with fewer panels than threads, the rows.
+ * Sizes and pointers are checked before any memory is touched: CO_ERR_BAD_ARGUMENT for M < 0, K or
+ * N < 1, lda < K, relu not 0/1, nthreads < 1 or a NULL pointer (bias and add may be NULL);
+ * CO_ERR_NO_MEMORY when the strips cannot be allocated (nothing written then). */
+
+#ifndef CO_SGEMM_DEFINED
+#define CO_SGEMM_DEFINED
+#define CO_SG_NR 16   /* panel width: 2 AVX2 vectors */
+#define CO_SG_MR 6    /* rows per register tile */
+#define CO_SG_KC 384  /* K block: a panel's block is 24 KiB (L1 32 KiB) */
+#define CO_SG_MC 144  /* most rows per M block: a block's strips are 216 KiB (L2 512 KiB) */
+#endif
+
+int64_t KFN(sgemm_packed_size)(int64_t N, int64_t K) {
+    if (N < 1 || K < 1) return -1;
+    return (N + CO_SG_NR - 1) / CO_SG_NR * K * CO_SG_NR;
+}
+
+int64_t KFN(sgemm_pack_f32)(const float *w, int64_t N, int64_t K, int w_kn, float *bp) {
+    if (!w || !bp || N < 1 || K < 1 || (w_kn != 0 && w_kn != 1)) return CO_ERR_BAD_ARGUMENT;
+    const int64_t np = (N + CO_SG_NR - 1) / CO_SG_NR;
+    for (int64_t p = 0; p < np; ++p) {
+        float *dst = bp + p * K * CO_SG_NR;
+        for (int64_t k = 0; k < K; ++k)
+            for (int64_t j = 0; j < CO_SG_NR; ++j) {
+                const int64_t n = p * CO_SG_NR + j;
+                dst[k * CO_SG_NR + j] = n < N ? (w_kn ? w[k * N + n] : w[n * K + k]) : 0.f;
+            }
+    }
+    return CO_OK;
+}
+
+/* rows [i0, i0 + mr) of A, columns [k0, k0 + kc), into a k-major strip of 6 (rows past mr repeat the
+ * first: their products are computed and never stored) */
+static inline void KFN(co_sg_strip)(const float *a, int64_t lda, int64_t i0, int mr, int64_t k0, int64_t kc,
+                                    float *dst) {
+    for (int r = 0; r < CO_SG_MR; ++r) {
+        const float *s = a + (i0 + (r < mr ? r : 0)) * lda + k0;
+        for (int64_t k = 0; k < kc; ++k) dst[k * CO_SG_MR + r] = s[k];
+    }
+}
+
+/* the tile's epilogue on one row of up to 16 values v (nv of them valid): + bias on the first K block,
+ * + C on the later ones; + add and relu on the last */
+static inline void KFN(co_sg_store)(const float *v, int nv, float *cr, int first, int last, const float *bias,
+                                    const float *addr, int relu) {
+    for (int j = 0; j < nv; ++j) {
+        float x = v[j] + (first ? (bias ? bias[j] : 0.f) : cr[j]);
+        if (last) {
+            if (addr) x += addr[j];
+            if (relu && x < 0.f) x = 0.f; /* as max(0, x) below: NaN and -0 pass, as torch's relu passes them */
+        }
+        cr[j] = x;
+    }
+}
+
+#if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
+
+static inline __attribute__((always_inline)) void
+KFN(co_sg_tile)(int64_t kc, const float *as, const float *b, float *c, int64_t ldc, int mr, int nv, int first,
+                int last, const float *bias, const float *add, int relu) {
+    __m256 c0[CO_SG_MR], c1[CO_SG_MR];
+#pragma GCC unroll 6
+    for (int r = 0; r < CO_SG_MR; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < kc; ++k) {
+        const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < CO_SG_MR; ++r) {
+            const __m256 av = _mm256_broadcast_ss(as + r);
+            c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
+            c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
+        }
+        b += CO_SG_NR;
+        as += CO_SG_MR;
+    }
+    /* the accumulators leave their registers here, indexed by constants only: a row loop over them
+     * with a variable bound (mr) would keep them in memory through the k loop */
+    float v[CO_SG_MR][CO_SG_NR] __attribute__((aligned(32)));
+#pragma GCC unroll 6
+    for (int r = 0; r < CO_SG_MR; ++r) {
+        _mm256_store_ps(v[r], c0[r]);
+        _mm256_store_ps(v[r] + 8, c1[r]);
+    }
+    if (nv < CO_SG_NR) {
+        for (int r = 0; r < mr; ++r)
+            KFN(co_sg_store)(v[r], nv, c + r * ldc, first, last, bias, add ? add + r * ldc : NULL, relu);
+        return;
+    }
+    const __m256 z = _mm256_setzero_ps();
+    const __m256 bi0 = first && bias ? _mm256_loadu_ps(bias) : z, bi1 = first && bias ? _mm256_loadu_ps(bias + 8) : z;
+    for (int r = 0; r < mr; ++r) {
+        float *cr = c + r * ldc;
+        __m256 v0 = _mm256_add_ps(_mm256_load_ps(v[r]), first ? bi0 : _mm256_loadu_ps(cr));
+        __m256 v1 = _mm256_add_ps(_mm256_load_ps(v[r] + 8), first ? bi1 : _mm256_loadu_ps(cr + 8));
+        if (last && add) {
+            v0 = _mm256_add_ps(v0, _mm256_loadu_ps(add + r * ldc));
+            v1 = _mm256_add_ps(v1, _mm256_loadu_ps(add + r * ldc + 8));
+        }
+        if (last && relu) { /* max(0, v), v second: NaN and -0 pass, as torch's relu passes them */
+            v0 = _mm256_max_ps(z, v0);
+            v1 = _mm256_max_ps(z, v1);
+        }
+        _mm256_storeu_ps(cr, v0);
+        _mm256_storeu_ps(cr + 8, v1);
+    }
+}
+
+#else
+
+static inline void KFN(co_sg_tile)(int64_t kc, const float *as, const float *b, float *c, int64_t ldc, int mr, int nv,
+                                   int first, int last, const float *bias, const float *add, int relu) {
+    float acc[CO_SG_MR][CO_SG_NR];
+    for (int r = 0; r < CO_SG_MR; ++r)
+        for (int j = 0; j < CO_SG_NR; ++j) acc[r][j] = 0.f;
+    for (int64_t k = 0; k < kc; ++k) {
+        for (int r = 0; r < CO_SG_MR; ++r) {
+            const float av = as[r];
+            for (int j = 0; j < CO_SG_NR; ++j) acc[r][j] += av * b[j];
+        }
+        b += CO_SG_NR;
+        as += CO_SG_MR;
+    }
+    for (int r = 0; r < mr; ++r)
+        KFN(co_sg_store)(acc[r], nv, c + r * ldc, first, last, bias, add ? add + r * ldc : NULL, relu);
+}
+
+#endif
+
+int64_t KFN(sgemm_packed_f32)(const float *a, int64_t M, int64_t K, int64_t lda, const float *bp, int64_t N,
+                              const float *bias, const float *add, int relu, float *c, int nthreads) {
+    if (!a || !bp || !c || M < 0 || K < 1 || N < 1 || lda < K || (relu != 0 && relu != 1) || nthreads < 1)
+        return CO_ERR_BAD_ARGUMENT;
+    if (M == 0) return CO_OK;
+    const int64_t np = (N + CO_SG_NR - 1) / CO_SG_NR;
+    /* blocks of even size: K into ceil(K / KC) blocks, M into ceil(M / MC) blocks of whole strips */
+    const int64_t nkb = (K + CO_SG_KC - 1) / CO_SG_KC, kcb = (K + nkb - 1) / nkb;
+    const int64_t nmb = (M + CO_SG_MC - 1) / CO_SG_MC;
+    const int64_t mcb = ((M + nmb - 1) / nmb + CO_SG_MR - 1) / CO_SG_MR * CO_SG_MR;
+    /* threads: tn over the panels, tm over the rows (when the panels are fewer than the threads) */
+    int tn = nthreads, tm = 1;
+    if (np < nthreads) {
+        tn = (int)np;
+        tm = nthreads / tn;
+        const int64_t strips = (M + CO_SG_MR - 1) / CO_SG_MR;
+        if (tm > strips) tm = (int)strips;
+    }
+    const int T = tn * tm;
+    const int64_t strip_floats = mcb * kcb; /* one M block's strips for one K block, per thread */
+    float *scratch = (float *)malloc((size_t)T * (size_t)strip_floats * sizeof(float));
+    if (!scratch) return CO_ERR_NO_MEMORY;
+#pragma omp parallel num_threads(T)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num();
+#else
+        const int t = 0;
+#endif
+        if (t < T) {
+            const int ti = t / tn, tj = t % tn;
+            const int64_t p0 = np * tj / tn, p1 = np * (tj + 1) / tn;
+            const int64_t strips = (M + CO_SG_MR - 1) / CO_SG_MR;
+            const int64_t r0 = strips * ti / tm * CO_SG_MR, r1m = strips * (ti + 1) / tm * CO_SG_MR;
+            const int64_t r1 = r1m < M ? r1m : M;
+            float *as = scratch + (int64_t)t * strip_floats;
+            for (int64_t i0 = r0; i0 < r1; i0 += mcb) {
+                const int64_t i1 = i0 + mcb < r1 ? i0 + mcb : r1;
+                for (int64_t k0 = 0; k0 < K; k0 += kcb) {
+                    const int64_t kc = k0 + kcb < K ? kcb : K - k0;
+                    const int first = k0 == 0, last = k0 + kc == K;
+                    for (int64_t i = i0; i < i1; i += CO_SG_MR)
+                        KFN(co_sg_strip)(a, lda, i, (int)(i + CO_SG_MR <= i1 ? CO_SG_MR : i1 - i), k0, kc,
+                                         as + (i - i0) * kc);
+                    for (int64_t p = p0; p < p1; ++p) {
+                        const int nv = (int)((p + 1) * CO_SG_NR <= N ? CO_SG_NR : N - p * CO_SG_NR);
+                        const float *bb = bp + (p * K + k0) * CO_SG_NR;
+                        for (int64_t i = i0; i < i1; i += CO_SG_MR)
+                            KFN(co_sg_tile)(kc, as + (i - i0) * kc, bb, c + i * N + p * CO_SG_NR, N,
+                                            (int)(i + CO_SG_MR <= i1 ? CO_SG_MR : i1 - i), nv, first, last,
+                                            bias ? bias + p * CO_SG_NR : NULL,
+                                            add ? add + i * N + p * CO_SG_NR : NULL, relu);
+                    }
+                }
+            }
+        }
+    }
+    free(scratch);
+    return CO_OK;
+}

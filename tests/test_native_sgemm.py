@@ -1,0 +1,121 @@
+"""cpu_opt's packed fp32 GEMM (native/kernels/sgemm.c; cpu_opt.backends.native_linear.pack_weight /
+packed_linear): every runnable variant against float64 at 1-3 threads, with row, column and K-block
+tails, bias / residual / ReLU epilogues, strided rows, and the errors on bad input."""
+import pytest
+import torch
+
+from cpu_opt import hw, native
+from cpu_opt.backends import native_linear as NL
+
+
+def runnable():
+    info = hw.detect()
+    return [v for v in native.compiled_variants() if native.VARIANT_REQUIRES[v] <= info.isa_uncapped]
+
+
+def _p(t):
+    return native.ptr(t, "float *")
+
+
+def _ref(x, w, b=None, add=None, relu=False):
+    y = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    if add is not None:
+        y = y + add.double()
+    return torch.relu(y) if relu else y
+
+
+def _call(variant, x, wp, n, b, add, relu, nt, lda=None):
+    m, k = x.shape[0], x.shape[1] if lda is None else lda[0]
+    out = torch.full((m, n), float("nan"))
+    ffi = native.ffi()
+    st = native.kernel("sgemm_packed_f32", variant)(
+        _p(x), m, k, lda[1] if lda else k, _p(wp), n, ffi.NULL if b is None else _p(b),
+        ffi.NULL if add is None else _p(add), int(relu), _p(out), nt)
+    assert st == 0
+    return out
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (4, 7, 17), (7, 385, 33), (13, 769, 48), (128, 64, 16),
+                                   (150, 800, 40), (6, 1200, 5)])
+def test_matches_float64_in_every_variant_and_thread_count(M, K, N):
+    g = torch.Generator().manual_seed(M * 1000 + K + N)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    b, add = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
+    for v in runnable():
+        wp = torch.empty(int(native.kernel("sgemm_packed_size", v)(N, K)))
+        assert native.kernel("sgemm_pack_f32", v)(_p(w), N, K, 0, _p(wp)) == 0
+        for nt in (1, 2, 3):
+            for bias, res, relu in ((None, None, False), (b, None, False), (b, add, True), (None, add, False)):
+                y = _call(v, x, wp, N, bias, res, relu, nt)
+                ref = _ref(x, w, bias, res, relu)
+                err = ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+                assert err < 1e-5, (v, nt, bias is not None, res is not None, relu, err)
+
+
+def test_k_by_n_weights_and_strided_rows():
+    g = torch.Generator().manual_seed(3)
+    M, K, N = 20, 400, 37
+    big = torch.randn(M, K + 9, generator=g)
+    x = big[:, :K]                       # rows K + 9 apart
+    w_kn = torch.randn(K, N, generator=g)
+    for v in runnable():
+        wp = torch.empty(int(native.kernel("sgemm_packed_size", v)(N, K)))
+        assert native.kernel("sgemm_pack_f32", v)(_p(w_kn), N, K, 1, _p(wp)) == 0
+        y = _call(v, big, wp, N, None, None, False, 2, lda=(K, K + 9))
+        assert torch.allclose(y.double(), x.double() @ w_kn.double(), rtol=1e-5, atol=1e-4)
+
+
+def test_wrapper_shapes_relu_semantics_and_fresh_outputs():
+    g = torch.Generator().manual_seed(5)
+    x, w, b = torch.randn(2, 9, 300, generator=g), torch.randn(70, 300, generator=g), torch.randn(70, generator=g)
+    wp = NL.pack_weight(w)
+    y1 = NL.packed_linear(x, wp, b, 70)
+    assert y1.shape == (2, 9, 70)
+    torch.testing.assert_close(y1, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    y2 = NL.packed_linear(x, wp, b, 70)
+    assert y2.data_ptr() != y1.data_ptr()
+    torch.testing.assert_close(y1, y2, rtol=0, atol=0)
+    # a permuted (non-contiguous) input is taken too
+    xt = x.transpose(0, 1)
+    torch.testing.assert_close(NL.packed_linear(xt, wp, b, 70), torch.nn.functional.linear(xt, w, b), rtol=1e-5, atol=1e-4)
+    # relu as torch's: NaN passes, negatives become 0
+    xs = torch.zeros(4, 300)
+    xs[0, 0] = float("nan")
+    ws = torch.ones(16, 300)
+    bs = torch.full((16,), -1.0)
+    r = NL.packed_linear(xs, NL.pack_weight(ws), bs, 16, relu=True)
+    assert torch.isnan(r[0]).all() and (r[1:] == 0).all()
+    # the class target: as the linear pass calls it
+    pl = NL.PackedLinear(70, 300)
+    torch.testing.assert_close(pl(x, wp, b), y1, rtol=0, atol=0)
+    empty = NL.packed_linear(torch.empty(0, 300), wp, b, 70)
+    assert empty.shape == (0, 70)
+
+
+def test_bad_input_raises_and_writes_nothing():
+    w = torch.randn(20, 30)
+    wp = NL.pack_weight(w)
+    with pytest.raises(ValueError, match="not packed for"):
+        NL.packed_linear(torch.randn(4, 31), wp, None, 20)
+    with pytest.raises(ValueError, match="bias"):
+        NL.packed_linear(torch.randn(4, 30), wp, torch.randn(19), 20)
+    with pytest.raises(ValueError, match="add"):
+        NL.packed_linear(torch.randn(4, 30), wp, None, 20, add=torch.randn(4, 19))
+    with pytest.raises(ValueError, match="float32"):
+        NL.packed_linear(torch.randn(4, 30, dtype=torch.float64), wp, None, 20)
+    with pytest.raises(ValueError, match="2-D float32"):
+        NL.pack_weight(torch.randn(3, 4, 5))
+    ffi = native.ffi()
+    out = torch.full((4, 20), 7.0)
+    x = torch.randn(4, 30)
+    k = native.kernel("sgemm_packed_f32")
+    for args in ((_p(x), 4, 30, 29, _p(wp), 20, ffi.NULL, ffi.NULL, 0, _p(out), 1),   # lda < K
+                 (_p(x), -1, 30, 30, _p(wp), 20, ffi.NULL, ffi.NULL, 0, _p(out), 1),  # M < 0
+                 (_p(x), 4, 30, 30, _p(wp), 0, ffi.NULL, ffi.NULL, 0, _p(out), 1),    # N < 1
+                 (_p(x), 4, 30, 30, _p(wp), 20, ffi.NULL, ffi.NULL, 2, _p(out), 1),   # relu not 0/1
+                 (_p(x), 4, 30, 30, ffi.NULL, 20, ffi.NULL, ffi.NULL, 0, _p(out), 1),  # NULL weight
+                 (_p(x), 4, 30, 30, _p(wp), 20, ffi.NULL, ffi.NULL, 0, _p(out), 0)):   # no threads
+        assert k(*args) == -2
+    assert (out == 7.0).all()
+    assert native.kernel("sgemm_pack_f32")(_p(w), 20, 30, 2, _p(wp)) == -2
+    assert native.kernel("sgemm_packed_size")(0, 5) == -1
