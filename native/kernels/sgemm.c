@@ -28,6 +28,7 @@
 #define CO_SG_MR 6    /* rows per register tile */
 #define CO_SG_KC 384  /* K block: a panel's block is 24 KiB (L1 32 KiB) */
 #define CO_SG_MC 144  /* most rows per M block: a block's strips are 216 KiB (L2 512 KiB) */
+_Static_assert(CO_SG_NR == CO_TS_NR, "sgemm packs its weights into tsgemm.c's panels");
 #endif
 
 int64_t KFN(sgemm_packed_size)(int64_t N, int64_t K) {
@@ -37,15 +38,8 @@ int64_t KFN(sgemm_packed_size)(int64_t N, int64_t K) {
 
 int64_t KFN(sgemm_pack_f32)(const float *w, int64_t N, int64_t K, int w_kn, float *bp) {
     if (!w || !bp || N < 1 || K < 1 || (w_kn != 0 && w_kn != 1)) return CO_ERR_BAD_ARGUMENT;
-    const int64_t np = (N + CO_SG_NR - 1) / CO_SG_NR;
-    for (int64_t p = 0; p < np; ++p) {
-        float *dst = bp + p * K * CO_SG_NR;
-        for (int64_t k = 0; k < K; ++k)
-            for (int64_t j = 0; j < CO_SG_NR; ++j) {
-                const int64_t n = p * CO_SG_NR + j;
-                dst[k * CO_SG_NR + j] = n < N ? (w_kn ? w[k * N + n] : w[n * K + k]) : 0.f;
-            }
-    }
+    /* the layout of tsgemm.c's panels (CO_TS_NR = CO_SG_NR = 16 columns, zero past N) */
+    KFN(co_ts_pack)(w, K, N, !w_kn, bp);
     return CO_OK;
 }
 
