@@ -119,3 +119,29 @@ def test_bad_input_raises_and_writes_nothing():
     assert (out == 7.0).all()
     assert native.kernel("sgemm_pack_f32")(_p(w), 20, 30, 2, _p(wp)) == -2
     assert native.kernel("sgemm_packed_size")(0, 5) == -1
+
+
+def test_a_smaller_thread_team_still_computes_every_column():
+    """OpenMP may give fewer threads than asked (OMP_THREAD_LIMIT, nesting): the work is split over the
+    team there is, so no panel or row block is left unwritten."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from cpu_opt.backends import native_linear as NL\n"
+        "from cpu_opt import native\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "for m, n in ((40, 100), (50, 8)):\n"   # many panels (split over columns); one panel (over rows)
+        "    x, w = torch.randn(m, 70, generator=g), torch.randn(n, 70, generator=g)\n"
+        "    wp, out = NL.pack_weight(w), torch.full((m, n), float('nan'))\n"
+        "    ffi = native.ffi()\n"
+        "    st = native.kernel('sgemm_packed_f32')(native.ptr(x, 'float *'), m, 70, 70, native.ptr(wp, 'float *'), n,\n"
+        "                                           ffi.NULL, ffi.NULL, 0, native.ptr(out, 'float *'), 4)\n"
+        "    assert st == 0\n"
+        "    torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-4)\n"
+        "print('ok')\n")
+    env = dict(os.environ, OMP_THREAD_LIMIT="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

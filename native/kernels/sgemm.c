@@ -140,6 +140,17 @@ static inline void KFN(co_sg_tile)(int64_t kc, const float *as, const float *b, 
 
 #endif
 
+/* threads: tn over the panels, tm over the rows (only when the panels are fewer than the threads) */
+static inline void KFN(co_sg_split)(int64_t np, int64_t strips, int nthreads, int *tn, int *tm) {
+    *tn = nthreads;
+    *tm = 1;
+    if (np < nthreads) {
+        *tn = (int)np;
+        *tm = nthreads / (int)np;
+        if (*tm > strips) *tm = (int)strips;
+    }
+}
+
 int64_t KFN(sgemm_packed_f32)(const float *a, int64_t M, int64_t K, int64_t lda, const float *bp, int64_t N,
                               const float *bias, const float *add, int relu, float *c, int nthreads) {
     if (!a || !bp || !c || M < 0 || K < 1 || N < 1 || lda < K || (relu != 0 && relu != 1) || nthreads < 1)
@@ -150,30 +161,26 @@ int64_t KFN(sgemm_packed_f32)(const float *a, int64_t M, int64_t K, int64_t lda,
     const int64_t nkb = (K + CO_SG_KC - 1) / CO_SG_KC, kcb = (K + nkb - 1) / nkb;
     const int64_t nmb = (M + CO_SG_MC - 1) / CO_SG_MC;
     const int64_t mcb = ((M + nmb - 1) / nmb + CO_SG_MR - 1) / CO_SG_MR * CO_SG_MR;
-    /* threads: tn over the panels, tm over the rows (when the panels are fewer than the threads) */
-    int tn = nthreads, tm = 1;
-    if (np < nthreads) {
-        tn = (int)np;
-        tm = nthreads / tn;
-        const int64_t strips = (M + CO_SG_MR - 1) / CO_SG_MR;
-        if (tm > strips) tm = (int)strips;
-    }
-    const int T = tn * tm;
+    const int64_t strips = (M + CO_SG_MR - 1) / CO_SG_MR;
+    int tn, tm;
+    KFN(co_sg_split)(np, strips, nthreads, &tn, &tm);
     const int64_t strip_floats = mcb * kcb; /* one M block's strips for one K block, per thread */
-    float *scratch = (float *)malloc((size_t)T * (size_t)strip_floats * sizeof(float));
+    float *scratch = (float *)malloc((size_t)(tn * tm) * (size_t)strip_floats * sizeof(float));
     if (!scratch) return CO_ERR_NO_MEMORY;
-#pragma omp parallel num_threads(T)
+#pragma omp parallel num_threads(tn * tm)
     {
 #ifdef _OPENMP
-        const int t = omp_get_thread_num();
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();
 #else
-        const int t = 0;
+        const int t = 0, team = 1;
 #endif
-        if (t < T) {
-            const int ti = t / tn, tj = t % tn;
-            const int64_t p0 = np * tj / tn, p1 = np * (tj + 1) / tn;
-            const int64_t strips = (M + CO_SG_MR - 1) / CO_SG_MR;
-            const int64_t r0 = strips * ti / tm * CO_SG_MR, r1m = strips * (ti + 1) / tm * CO_SG_MR;
+        /* the team may be smaller than asked (OMP_THREAD_LIMIT, nesting): split over the threads there are */
+        int tn_, tm_;
+        KFN(co_sg_split)(np, strips, team, &tn_, &tm_);
+        if (t < tn_ * tm_) {
+            const int ti = t / tn_, tj = t % tn_;
+            const int64_t p0 = np * tj / tn_, p1 = np * (tj + 1) / tn_;
+            const int64_t r0 = strips * ti / tm_ * CO_SG_MR, r1m = strips * (ti + 1) / tm_ * CO_SG_MR;
             const int64_t r1 = r1m < M ? r1m : M;
             float *as = scratch + (int64_t)t * strip_floats;
             for (int64_t i0 = r0; i0 < r1; i0 += mcb) {
