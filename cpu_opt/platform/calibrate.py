@@ -12,7 +12,7 @@ Shapes (full size; ``--quick`` shrinks them for tests):
 
 * linear (constant weights): a GEMV x (1, 4096) @ W (4096, 4096) (weights bigger than the L3, as in
   LLM decoding), and BERT's FFN in, x (M, 768) @ W (768, 3072) at M = 128 and 2048; fp32 (MKL's
-  packed sgemm among the candidates), bf16, and int8 (u8 activations, per-channel s8 weights);
+  packed sgemm and cpu_opt's own GEMV or packed GEMM among the candidates), bf16, and int8 (u8 activations, per-channel s8 weights);
 * int8 convolution: 1 x 64 x 56 x 56, 64 filters 3x3, padding 1 (a ResNet stage);
 * attention: batch 1, 12 heads, sequence 256, head size 64, fp32 and bf16;
 * gnn_linear: a node-feature Linear layer's training step in ``cpu_opt.gnn`` (forward, input and
@@ -174,6 +174,11 @@ def _linear(dtype: str, dims) -> Built:
 
     if dtype == "fp32" and m <= native_linear.MAX_ROWS and native.vectorized():
         _admit(out, "native", lambda: rotating(lambda wc: (lambda: native_linear.linear(x, wc, b, False))), check)
+    elif dtype == "fp32" and native.vectorized():
+        def packed(wc):
+            wp = native_linear.pack_weight(wc)
+            return lambda: native_linear.packed_linear(x, wp, b, n)
+        _admit(out, "native_gemm", lambda: rotating(packed), check)
     return out
 
 

@@ -77,7 +77,7 @@ def test_new_shape_and_bigger_batch_after_routing():
     assert _rel(opt(x), m(x).detach()) < 1e-5
 
 
-@pytest.mark.parametrize("winner", ["onednn", "torch_onednn", "native"])
+@pytest.mark.parametrize("winner", ["onednn", "torch_onednn", "native", "native_gemm"])
 def test_measured_route_takes_the_faster(monkeypatch, winner):
     loser = "onednn" if winner != "onednn" else "torch_onednn"
     seen = []
@@ -95,7 +95,8 @@ def test_measured_route_takes_the_faster(monkeypatch, winner):
     # (M, K, N, bias) of the three layers on constant weights, from the captured shapes
     assert sorted(seen) == [(6, 24, 32, True), (6, 32, 40, True), (6, 40, 16, False)]
     chosen = [n.meta["cpu_opt_route"] for n in gm.graph.nodes if "cpu_opt_route" in n.meta]
-    expect = "torch" if winner == "native" and not native.vectorized() else winner  # no vector kernels: torch
+    # no vector kernels: the GEMV's layers go to torch, the packed GEMM's to torch's oneDNN
+    expect = winner if native.vectorized() else {"native": "torch", "native_gemm": "torch_onednn"}.get(winner, winner)
     assert [b for b, _ in chosen] == [expect] * 3
     assert all("measured on this shape" in why for _, why in chosen)
     assert bool(log) == (winner != "onednn")
@@ -110,8 +111,9 @@ def test_measure_linear_times_every_backend():
     from cpu_opt.backends import mkl
 
     both = {"onednn", "torch_onednn"} | ({"mkl"} if mkl.available() else set())
+    # from 4 rows cpu_opt's packed GEMM is timed too, where the vector kernels run
     t = passes.measure_linear(16, 16, 12, True, repeats=3)
-    assert set(t) == both and all(v > 0 for v in t.values())
+    assert set(t) == both | ({"native_gemm"} if native.vectorized() else set()) and all(v > 0 for v in t.values())
     assert passes.measure_linear(16, 16, 12, True, repeats=3) is t  # cached per shape
     # a GEMV-sized layer also times cpu_opt's GEMV where the vector kernels run
     t = passes.measure_linear(2, 16, 12, True, repeats=3)
@@ -162,7 +164,7 @@ def test_bf16_and_float64_are_not_rerouted():
     assert _rel(opt(x), m64(x).detach()) < 1e-10
 
 
-@pytest.mark.parametrize("cpu,want", [("amd_zen3", "torch_onednn"), ("amd_zen5", "onednn"),
+@pytest.mark.parametrize("cpu,want", [("amd_zen3", "native_gemm"), ("amd_zen5", "onednn"),
                                       ("intel_sapphirerapids", "mkl"), ("intel_icelake", "mkl"),
                                       ("intel_cascadelake", "mkl"), ("graviton3_v1", "acl")])
 def test_linear_route_per_cpu(cpu, want):
@@ -185,12 +187,13 @@ def test_mkl_route_is_for_big_fp32_gemms_on_intel_avx512():
     assert routing.route("linear", "bf16", z5, rows=128, macs=128 * 768 * 3072).backend == "onednn"
     assert routing.route("linear", "fp32", z5, rows=128, macs=128 * 768 * 3072).backend == "onednn"
     capped = hw.build_info((FIX / "intel_sapphirerapids.txt").read_text(), cap="avx2")
-    assert routing.route("linear", "fp32", capped, rows=128, macs=128 * 768 * 3072).backend == "torch_onednn"
+    assert routing.route("linear", "fp32", capped, rows=128, macs=128 * 768 * 3072).backend == "native_gemm"
 
 
-def test_zen5_capped_to_avx2_moves_linears_to_torch_onednn():
+def test_zen5_capped_to_avx2_moves_linears_to_the_packed_gemm():
     info = hw.build_info((FIX / "amd_zen5.txt").read_text(), cap="avx2")
-    assert routing.route("linear", "fp32", info).backend == "torch_onednn"
+    assert routing.route("linear", "fp32", info).backend == "native_gemm"
+    assert routing.route("linear", "fp32", info, rows=128, macs=128 * 768 * 3072).backend == "native_gemm"
 
 
 def test_each_plan_routes_its_layers_for_its_own_row_count():
@@ -203,7 +206,8 @@ def test_each_plan_routes_its_layers_for_its_own_row_count():
     assert len(one._plans) == 2
     for rows, plan in ((s[0][0][0], p) for s, p in one._plans.items()):
         want = [routing.route("linear", "fp32", rows=rows, macs=rows * k * n).backend for k, n in ((24, 32), (32, 8))]
-        want = ["torch" if w == "native" and not native.vectorized() else w for w in want]
+        if not native.vectorized():
+            want = [{"native": "torch", "native_gemm": "torch_onednn"}.get(w, w) for w in want]
         if plan.lowered is None:  # routing kept the whole graph in torch
             assert not optimize_testutil.onednn_graph_used()
             continue
@@ -219,10 +223,11 @@ def test_table_gives_gemvs_their_own_rule_on_avx2():
     assert routing.route("linear", "fp32", z3, rows=1, macs=4096 * 4096).backend == "native"
     assert routing.route("linear", "fp32", z3, rows=1, macs=768 * 50257).backend == "onednn"  # a wide LM head
     assert routing.route("linear", "fp32", z3, rows=64, macs=64 * 128 * 512).backend == "torch"  # small: addmm
-    assert routing.route("linear", "fp32", z3, rows=128, macs=128 * 768 * 768).backend == "torch_onednn"
+    # from 4 rows and 16M multiply-adds: cpu_opt's packed GEMM
+    assert routing.route("linear", "fp32", z3, rows=128, macs=128 * 768 * 768).backend == "native_gemm"
     assert routing.route("linear", "fp32", z3, rows=routing.LINEAR_TORCH_MIN_ROWS - 1, macs=10**6).backend == "native"
-    assert routing.route("linear", "fp32", z3, rows=routing.LINEAR_TORCH_MIN_ROWS).backend == "torch_onednn"
-    assert routing.route("linear", "fp32", z3).backend == "torch_onednn"  # no rows: the many-row rule
+    assert routing.route("linear", "fp32", z3, rows=routing.LINEAR_TORCH_MIN_ROWS).backend == "native_gemm"
+    assert routing.route("linear", "fp32", z3).backend == "native_gemm"  # no rows: the many-row rule
     z5 = hw.build_info((FIX / "amd_zen5.txt").read_text())
     assert routing.route("linear", "fp32", z5, rows=1).backend == "onednn"
 
@@ -327,3 +332,64 @@ def test_bf16_linears_on_torch_onednn_fuse_activation_and_residual(monkeypatch):
     assert not any(n.target in (aten.gelu.default, aten.silu.default) for n in nodes)
     if optimize_testutil.onednn_graph_used("bf16"):   # else the report has no oneDNN plan to route within
         assert sum(r["route"] == "torch_onednn" for r in opt.report()["routed"]) == 7
+
+
+def _to_packed_gemm(monkeypatch):
+    orig = routing.table_route
+
+    def to_packed(work, dtype, info=None, **kw):
+        r = orig(work, dtype, info, **kw)
+        rows = kw.get("rows")
+        if work == "linear" and dtype == "fp32" and (rows is None or rows >= routing.LINEAR_TORCH_MIN_ROWS):
+            return routing.Route(work, dtype, "native_gemm", "forced")
+        return r
+
+    monkeypatch.setattr(routing, "table_route", to_packed)
+
+
+def test_linears_on_the_packed_gemm_match_eager(monkeypatch):
+    """nn.Linear, a Conv1D-style addmm on a (K, N) weight and mm on a parameter all become cpu_opt's
+    packed GEMM (the kernel really runs: the graph calls PackedLinear on packed panels, the report
+    says native_gemm); the answers equal eager's, at the captured shape and at a new row count, and a
+    returned tensor does not change when the model is called again."""
+    from cpu_opt.backends import native_linear
+
+    _to_packed_gemm(monkeypatch)
+    torch.manual_seed(0)
+    m = Mixed().eval()
+    x = torch.randn(6, 24)
+    opt = cpu_opt.optimize(m, x, dtype="fp32")
+    with torch.no_grad():
+        y = opt(x)
+        ref = m(x)
+        assert _rel(y, ref) < 1e-5
+        keep = y.clone()
+        x2 = torch.randn(37, 24)
+        assert _rel(opt(x2), m(x2)) < 1e-5
+        assert torch.equal(y, keep)
+    routed = [r["route"] for r in opt.report()["routed"]]
+    if not native.vectorized():   # no vector kernels: the layers went to torch's oneDNN instead
+        assert routed == ["torch_onednn"] * 3
+        return
+    assert routed == ["native_gemm"] * 3
+    plan = next(iter(opt._plans.values()))   # the first shape's plan
+    gemms = [n for n in plan.lowered.ctx.gm.graph.nodes if isinstance(n.target, native_linear.PackedLinear)]
+    assert [(g.target.k, g.target.n) for g in gemms] == [(24, 32), (32, 40), (40, 16)]
+
+
+def test_packed_gemm_route_is_for_avx2_cpus_only():
+    """The packed GEMM's rule holds on AVX2 CPUs (Zen 3, and an AVX-512 CPU capped to AVX2) for 4+
+    rows past the small-GEMM size; AVX-512 CPUs keep their measured rules (its AVX2 tile was never
+    measured against them)."""
+    big = dict(rows=128, macs=128 * 768 * 3072)
+    for cpu, cap in (("amd_zen3", None), ("intel_icelake", "avx2"), ("amd_zen5", "avx2")):
+        info = hw.build_info((FIX / f"{cpu}.txt").read_text(), cap=cap)
+        assert routing.route("linear", "fp32", info, **big).backend == "native_gemm", cpu
+        assert routing.route("linear", "fp32", info, rows=3, macs=3 * 768 * 3072).backend != "native_gemm"
+        assert routing.route("linear", "fp32", info, rows=64, macs=64 * 128 * 512).backend == "torch"
+        assert routing.route("linear", "bf16", info, **big).backend != "native_gemm"
+    for cpu in ("amd_zen5", "intel_icelake", "intel_sapphirerapids", "intel_cascadelake"):
+        info = hw.build_info((FIX / f"{cpu}.txt").read_text())
+        assert routing.route("linear", "fp32", info, **big).backend != "native_gemm", cpu
+    assert "sgemm" in routing.table_route("linear", "fp32", hw.build_info((FIX / "amd_zen3.txt").read_text()),
+                                          **big).why

@@ -49,13 +49,14 @@ def linear_operands(gm, n, dtype: torch.dtype = torch.float32):
 
 _LINEAR_TIMES: dict = {}
 _MEASURED_NAMES = {"onednn": "cpu_opt oneDNN", "torch_onednn": "torch's oneDNN", "native": "cpu_opt's GEMV",
-                   "mkl": "MKL packed"}
+                   "mkl": "MKL packed", "native_gemm": "cpu_opt's packed GEMM"}
 
 
 def measure_linear(m: int, k: int, n: int, bias: bool, repeats: int = 7) -> dict:
     """Median seconds of ``(m, k) @ (k, n)`` on cpu_opt's oneDNN 3.2 (packed weights), on torch's
-    oneDNN (``_linear_pointwise``) and, for a GEMV, on cpu_opt's own kernel, interleaved on the same
-    random tensors; cached per shape."""
+    oneDNN (``_linear_pointwise``), on cpu_opt's own kernels (the GEMV for 1-3 rows, the packed GEMM
+    from 4) and on MKL's packed GEMM where torch has MKL, interleaved on the same random tensors;
+    cached per shape."""
     key = (m, k, n, bias, torch.get_num_threads())
     if key in _LINEAR_TIMES:
         return _LINEAR_TIMES[key]
@@ -73,6 +74,9 @@ def measure_linear(m: int, k: int, n: int, bias: bool, repeats: int = 7) -> dict
         fns["mkl"] = lambda: mkl.MKL_LINEAR(x, packed, w, b, m)
     if m <= native_linear.MAX_ROWS and native.vectorized():
         fns["native"] = lambda: native_linear.linear(x, w, b, False)
+    elif native.vectorized():
+        wp = native_linear.pack_weight(w)
+        fns["native_gemm"] = lambda: native_linear.packed_linear(x, wp, b, n)
     times = {name: [] for name in fns}
     for f in fns.values():
         f()  # create and pack outside the timing
@@ -106,13 +110,14 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
     lowering into oneDNN Graph partitions; ``torch_onednn`` becomes ``mkldnn._linear_pointwise(x, W,
     b)`` with ``W`` packed for the layer's row count (fp32; bf16 where torch's oneDNN has native bf16,
     its activation or residual add then fused: :func:`fuse_torch_linear_post_ops`); ``native`` becomes cpu_opt's GEMV
-    (:func:`cpu_opt.backends.native_linear.linear`, the weight in the model's layout); ``torch`` stays
-    the ATen op, run by torch."""
+    (:func:`cpu_opt.backends.native_linear.linear`, the weight in the model's layout); ``native_gemm``
+    becomes cpu_opt's packed GEMM (:class:`cpu_opt.backends.native_linear.PackedLinear`, the weight packed
+    once into its panels); ``torch`` stays the ATen op, run by torch."""
     from ...platform import routing
 
     if dtype not in ("fp32", "bf16"):
         return []
-    moved = kept = in_torch = gemv = mkl_moved = 0
+    moved = kept = in_torch = gemv = mkl_moved = sgemm = 0
     for n in list(gm.graph.nodes):
         ops = linear_operands(gm, n, torch.float32 if dtype == "fp32" else torch.bfloat16)
         if ops is None:
@@ -135,6 +140,15 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
                                       f"({'not built in' if not mkl.available() else dtype}); {why}")
         if backend == "native" and (dtype != "fp32" or not native.vectorized()):
             backend, why = "torch", f"cpu_opt's GEMV runs fp32 on its vector kernels only; {why}"
+        if backend == "native_gemm" and (dtype != "fp32" or not native.vectorized()):
+            backend, why = "torch_onednn", f"cpu_opt's packed GEMM runs fp32 on its vector kernels only; {why}"
+        if backend == "native_gemm":
+            packed = native_linear.pack_weight(wt, kn)   # flat panels: described by a tensor of their shape
+            w_node = add_constant(gm, packed, n, "linear_sgemm_packed",
+                                  meta_like=torch.empty(packed.shape, device="meta"))
+            _swap(gm, n, native_linear.PackedLinear(*w_nk.shape), (x, w_node, b), "native_gemm", why)
+            sgemm += 1
+            continue
         if backend == "native":
             _swap(gm, n, native_linear.Gemv(kn), (x, w, b), "native", why)
             gemv += 1
@@ -160,7 +174,7 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
         w_node = add_constant(gm, packed_linear_weight(w_nk, rows), n, "linear_packed", meta_like=w_nk)
         _swap(gm, n, TORCH_LINEAR, (x, w_node, b, "none", [], ""), "torch_onednn", why)
         moved += 1
-    if not moved and not in_torch and not gemv and not mkl_moved:
+    if not moved and not in_torch and not gemv and not mkl_moved and not sgemm:
         return []
     gm.graph.eliminate_dead_code()
     drop_unused_constants(gm)
@@ -169,6 +183,7 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
     how = "measured per shape" if measure else "routing"
     parts = [f"{moved} linear layer(s) on torch's oneDNN 3.12" + (f" ({fused} with their activation or residual "
                                                                   f"add fused)" if fused else "")] if moved else []
+    parts += [f"{sgemm} on cpu_opt's packed GEMM"] if sgemm else []
     parts += [f"{mkl_moved} on MKL's packed GEMM"] if mkl_moved else []
     parts += [f"{in_torch} in torch's own kernels"] if in_torch else []
     parts += [f"{gemv} GEMV(s) on cpu_opt's native kernel"] if gemv else []
