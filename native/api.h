@@ -155,6 +155,8 @@ int64_t KFN(transformer_backward_bf16_i32)(const int64_t *rowptr, int64_t n_dst,
  * gelu_erf_f32: y = 0.5 x (1 + erf(x / sqrt 2)) over n contiguous floats; y == x works in place
  * (any other overlap does not). CO_ERR_BAD_ARGUMENT for n < 0, nthreads < 1 or a NULL pointer. */
 int64_t KFN(gelu_erf_f32)(const float *x, float *y, int64_t n, int nthreads);
+/* gelu_tanh_f32: the same for torch's approximate="tanh" GELU, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) */
+int64_t KFN(gelu_tanh_f32)(const float *x, float *y, int64_t n, int nthreads);
 
 /* ---- LayerNorm + uint8 quantization (native/kernels/layer_norm.c) ----
  * layer_norm_u8_f32: torch's layer_norm over the last `cols` of `rows` rows (row r at x + r * x_stride),

@@ -207,6 +207,8 @@ class PackedLinear:
     relu=False)`` is ``F.linear(x, W, b)`` (``+ add``, then ``relu``) for the weight ``W`` (n, k) that
     :func:`pack_weight` made ``wp`` from. The kernel resolved once, when the layer is routed."""
 
+    returns_fresh = True   # a new tensor on every call: the graph's passes may write into it
+
     def __init__(self, n: int, k: int, relu: bool = False):
         self.n, self.k, self.relu = int(n), int(k), bool(relu)
         self._kernel = native.kernel("sgemm_packed_f32")

@@ -2,8 +2,12 @@
  *
  * gelu_erf_f32: y[i] = 0.5 x (1 + erf(x / sqrt 2)), torch's GELU (approximate="none"), in place
  * when y == x. erf is the rational approximation Eigen and XLA use for float (x P(x^2) / Q(x^2) on
- * [-4, 4], +-1 outside, a few ulp from the true value); the base variant calls libm's erff. Split
- * across threads in contiguous chunks of whole vectors. */
+ * [-4, 4], +-1 outside, a few ulp from the true value); the base variant calls libm's erff.
+ * gelu_tanh_f32: torch's GELU with approximate="tanh", 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x +
+ * 0.044715 x^3), computed as x / (1 + exp(-2u)) (the same function: 0.5 (1 + tanh u) = sigmoid(2u))
+ * with Cephes' exp (range reduction by ln 2, a degree-5 polynomial; the argument clamped to
+ * +-88: past that the result is x, or 0 as torch's); the base variant calls libm's tanhf.
+ * Both split across threads in contiguous chunks of whole vectors. */
 
 #ifndef CO_ELTWISE_DEFINED
 #define CO_ELTWISE_DEFINED
@@ -59,22 +63,71 @@ static inline __m256 KFN(co_gelu8)(__m256 v) {
 }
 #endif
 
-static void KFN(co_gelu_range)(const float *x, float *y, int64_t lo, int64_t hi) {
-    int64_t i = lo;
 #if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
-    for (; i + 16 <= hi; i += 16) {
-        __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
-        _mm256_storeu_ps(y + i, KFN(co_gelu8)(a));
-        _mm256_storeu_ps(y + i + 8, KFN(co_gelu8)(b));
-    }
-#endif
-    for (; i < hi; i++) {
-        float v = x[i];
-        y[i] = 0.5f * v * (1.f + KFN(co_erf_scalar)(v * CO_SQRT1_2));
-    }
+/* exp(x) for x in [-88, 88] (clamped), Cephes' expf */
+static inline __m256 KFN(co_exp8)(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.f)), _mm256_set1_ps(-88.f));
+    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-int64_t KFN(gelu_erf_f32)(const float *x, float *y, int64_t n, int nthreads) {
+static inline __m256 KFN(co_gelu_tanh8)(__m256 v) {
+    /* -2u = -2 sqrt(2 / pi) (v + 0.044715 v^3) = v (c1 + c3 v^2) */
+    const __m256 v2 = _mm256_mul_ps(v, v);
+    const __m256 m2u = _mm256_mul_ps(v, _mm256_fmadd_ps(v2, _mm256_set1_ps(-0.0713548162726f),
+                                                        _mm256_set1_ps(-1.5957691216057f)));
+    const __m256 y = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.f), KFN(co_exp8)(m2u)));
+    /* past the clamp (v below about -10) the value is 0 (x / inf); torch's formula gives NaN at -inf
+     * (-inf * 0) and passes NaN: so do these */
+    const __m256 zero_out = _mm256_cmp_ps(m2u, _mm256_set1_ps(88.f), _CMP_GT_OQ);
+    const __m256 minus_inf = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    return _mm256_or_ps(_mm256_andnot_ps(zero_out, y), _mm256_and_ps(minus_inf, _mm256_set1_ps(NAN)));
+}
+#endif
+
+static inline float KFN(co_gelu_scalar)(float v, int tanh_form) {
+#if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
+    if (tanh_form) { /* the vector formula on one lane, so a tensor's tail agrees with its body */
+        float out[8];
+        _mm256_storeu_ps(out, KFN(co_gelu_tanh8)(_mm256_set1_ps(v)));
+        return out[0];
+    }
+#else
+    if (tanh_form) return 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+#endif
+    return 0.5f * v * (1.f + KFN(co_erf_scalar)(v * CO_SQRT1_2));
+}
+
+static void KFN(co_gelu_range)(const float *x, float *y, int64_t lo, int64_t hi, int tanh_form) {
+    int64_t i = lo;
+#if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
+    if (tanh_form)
+        for (; i + 16 <= hi; i += 16) {
+            __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+            _mm256_storeu_ps(y + i, KFN(co_gelu_tanh8)(a));
+            _mm256_storeu_ps(y + i + 8, KFN(co_gelu_tanh8)(b));
+        }
+    else
+        for (; i + 16 <= hi; i += 16) {
+            __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+            _mm256_storeu_ps(y + i, KFN(co_gelu8)(a));
+            _mm256_storeu_ps(y + i + 8, KFN(co_gelu8)(b));
+        }
+#endif
+    for (; i < hi; i++) y[i] = KFN(co_gelu_scalar)(x[i], tanh_form);
+}
+
+static int64_t KFN(co_gelu_f32)(const float *x, float *y, int64_t n, int nthreads, int tanh_form) {
     if (n < 0 || nthreads < 1)
         return CO_ERR_BAD_ARGUMENT;
     if (n == 0)
@@ -85,7 +138,7 @@ int64_t KFN(gelu_erf_f32)(const float *x, float *y, int64_t n, int nthreads) {
     int64_t pieces = (n + 32767) / 32768;
     int nt = nthreads < pieces ? nthreads : (int)pieces;
     if (nt <= 1) {
-        KFN(co_gelu_range)(x, y, 0, n);
+        KFN(co_gelu_range)(x, y, 0, n, tanh_form);
         return CO_OK;
     }
     int64_t chunk = ((n + nt - 1) / nt + 15) / 16 * 16;
@@ -93,7 +146,15 @@ int64_t KFN(gelu_erf_f32)(const float *x, float *y, int64_t n, int nthreads) {
     for (int t = 0; t < nt; t++) {
         int64_t lo = (int64_t)t * chunk, hi = lo + chunk < n ? lo + chunk : n;
         if (lo < hi)
-            KFN(co_gelu_range)(x, y, lo, hi);
+            KFN(co_gelu_range)(x, y, lo, hi, tanh_form);
     }
     return CO_OK;
+}
+
+int64_t KFN(gelu_erf_f32)(const float *x, float *y, int64_t n, int nthreads) {
+    return KFN(co_gelu_f32)(x, y, n, nthreads, 0);
+}
+
+int64_t KFN(gelu_tanh_f32)(const float *x, float *y, int64_t n, int nthreads) {
+    return KFN(co_gelu_f32)(x, y, n, nthreads, 1);
 }

@@ -47,10 +47,38 @@ int64_t KFN(sgemm_pack_f32)(const float *w, int64_t N, int64_t K, int w_kn, floa
  * first: their products are computed and never stored) */
 static inline void KFN(co_sg_strip)(const float *a, int64_t lda, int64_t i0, int mr, int64_t k0, int64_t kc,
                                     float *dst) {
-    for (int r = 0; r < CO_SG_MR; ++r) {
-        const float *s = a + (i0 + (r < mr ? r : 0)) * lda + k0;
-        for (int64_t k = 0; k < kc; ++k) dst[k * CO_SG_MR + r] = s[k];
+    const float *s[CO_SG_MR];
+    for (int r = 0; r < CO_SG_MR; ++r) s[r] = a + (i0 + (r < mr ? r : 0)) * lda + k0;
+    int64_t k = 0;
+#if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
+    /* 8 columns at a time: the 6 rows' 8 values (and 2 rows of padding) transposed in registers,
+     * each column's 6 values stored as 4 + 2 (a strip's last column is its last 6 floats) */
+    for (; k + 8 <= kc; k += 8) {
+        const __m256 r0 = _mm256_loadu_ps(s[0] + k), r1 = _mm256_loadu_ps(s[1] + k), r2 = _mm256_loadu_ps(s[2] + k),
+                     r3 = _mm256_loadu_ps(s[3] + k), r4 = _mm256_loadu_ps(s[4] + k), r5 = _mm256_loadu_ps(s[5] + k),
+                     r6 = r4, r7 = r5;
+        const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+        const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+        const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+        const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        /* column j of the 8: rows 0-3 in u(j % 4)'s half j / 4, rows 4-5 in u(4 + j % 4)'s */
+        const __m256 lo[4] = {u0, u1, u2, u3}, hi[4] = {u4, u5, u6, u7};
+        float *d = dst + k * CO_SG_MR;
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+            _mm_storeu_ps(d + j * CO_SG_MR, _mm256_castps256_ps128(lo[j]));
+            _mm_storel_pi((__m64 *)(d + j * CO_SG_MR + 4), _mm256_castps256_ps128(hi[j]));
+            _mm_storeu_ps(d + (j + 4) * CO_SG_MR, _mm256_extractf128_ps(lo[j], 1));
+            _mm_storel_pi((__m64 *)(d + (j + 4) * CO_SG_MR + 4), _mm256_extractf128_ps(hi[j], 1));
+        }
     }
+#endif
+    for (; k < kc; ++k)
+        for (int r = 0; r < CO_SG_MR; ++r) dst[k * CO_SG_MR + r] = s[r][k];
 }
 
 /* the tile's epilogue on one row of up to 16 values v (nv of them valid): + bias on the first K block,

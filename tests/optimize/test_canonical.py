@@ -1,5 +1,5 @@
-"""Canonical forms (passes/canonical.py) and the tanh GELU on cpu_opt's oneDNN eltwise primitive
-(passes.route_gelu, backends/onednn_primitives.OnednnEltwise): exact rewrites, checked against eager,
+"""Canonical forms (passes/canonical.py) and the tanh GELU on cpu_opt's native kernel (fp32) or oneDNN
+eltwise primitive (passes.route_gelu, backends/native_eltwise, backends/onednn_primitives.OnednnEltwise): exact rewrites, checked against eager,
 on hand-written modules and on Hugging Face GPT-2 (whose NewGELU and Conv1D they are for)."""
 import math
 
@@ -81,7 +81,11 @@ def test_a_tanh_like_chain_with_other_constants_is_left_alone():
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_tanh_gelu_runs_on_the_onednn_eltwise_primitive(dtype):
+def test_tanh_gelu_runs_on_the_native_kernel_or_the_onednn_eltwise_primitive(dtype):
+    """fp32: cpu_opt's vectorized tanh GELU where the vector kernels run; bf16: the oneDNN primitive
+    (or, with AMX, the GEMM's post-op); in place on the GEMM's fresh output either way."""
+    from cpu_opt.backends import native_eltwise
+
     m = Conv1DBlock().eval()
     x = torch.randn(2, 16, 32)
     opt = cpu_opt.optimize(m, x, dtype=dtype)
@@ -100,6 +104,9 @@ def test_tanh_gelu_runs_on_the_onednn_eltwise_primitive(dtype):
     fused = [n for n in prog.graph.nodes if n.target is TORCH_LINEAR and n.args[3:] == ("gelu", [], "tanh")]
     if dtype == "bf16" and bf16_linear_runs() and routing.route("linear", "bf16", rows=32).backend == "torch_onednn":
         assert len(fused) == 1 and not elt        # with AMX: the GEMM takes it as its post-op (through the view)
+    elif dtype == "fp32" and native_eltwise.available():
+        nat = [n.target for n in prog.graph.nodes if n.target in (native_eltwise.gelu_tanh, native_eltwise.gelu_tanh_)]
+        assert nat == [native_eltwise.gelu_tanh_] and not elt   # in place: the GEMM's fresh output, read once
     elif optimize_testutil.onednn_graph_used(dtype) and runs:
         assert len(elt) == 1 and elt[0].kind == "gelu_tanh"
         assert elt[0].in_place                     # the GEMM's fresh output, read by nothing else
@@ -123,6 +130,9 @@ def test_tanh_gelu_is_not_in_place_where_its_input_is_read_again():
     assert _rel(g, rg) < 1e-5 and torch.equal(h, rh)
     prog = next(iter(opt._plans.values())).program
     assert not any(isinstance(n.target, OnednnEltwise) and n.target.in_place for n in prog.graph.nodes)
+    from cpu_opt.backends import native_eltwise
+
+    assert not any(n.target is native_eltwise.gelu_tanh_ for n in prog.graph.nodes)
 
 
 def test_hf_gpt2_newgelu_and_conv1d_residuals_are_canonicalized():

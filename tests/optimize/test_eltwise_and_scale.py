@@ -19,18 +19,23 @@ def runnable():
     return [v for v in native.compiled_variants() if native.VARIANT_REQUIRES[v] <= info.isa_uncapped]
 
 
-def _gelu(x, variant, out=None):
+KERNELS = {"none": "gelu_erf_f32", "tanh": "gelu_tanh_f32"}
+
+
+def _gelu(x, variant, out=None, approximate="none"):
     y = torch.empty_like(x) if out is None else out
-    st = native.kernel("gelu_erf_f32", variant)(native.ptr(x, "float *"), native.ptr(y, "float *"), x.numel(), 2)
-    native.check(st, "gelu_erf_f32")
+    name = KERNELS[approximate]
+    st = native.kernel(name, variant)(native.ptr(x, "float *"), native.ptr(y, "float *"), x.numel(), 2)
+    native.check(st, name)
     return y
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("variant", runnable())
-def test_gelu_kernel_matches_float64_gelu_in_every_variant(variant):
+def test_gelu_kernel_matches_float64_gelu_in_every_variant(variant, approximate):
     x = torch.linspace(-12, 12, 400_003)  # odd length: the vector body and the scalar tail
-    ref = F.gelu(x.double())
-    got = _gelu(x, variant).double()
+    ref = F.gelu(x.double(), approximate=approximate)
+    got = _gelu(x, variant, approximate=approximate).double()
     err = (got - ref).abs()
     assert err.max() < 2e-6, err.max()
     big = x > -2  # where GELU is not a cancellation of 1 + erf (below, torch loses digits too)
@@ -39,20 +44,35 @@ def test_gelu_kernel_matches_float64_gelu_in_every_variant(variant):
     assert torch.equal(got[x == 0], torch.zeros(int((x == 0).sum()), dtype=torch.float64))
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_kernel_special_values_as_torch(approximate):
+    """NaN, +-inf, -0 and inputs far out on either side (where the tanh form's exp would overflow)
+    give torch's answers, in the vector body and in the tail."""
+    special = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e30, -1e30, 88.0, -88.0, 1e-30, -1e-30]
+    for pad in (0, 16):   # the values in the tail, then in the vector body
+        x = torch.tensor([0.5] * pad + special)
+        want = F.gelu(x, approximate=approximate)
+        for v in runnable():
+            got = _gelu(x, v, approximate=approximate)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-7, equal_nan=True), (v, pad, got, want)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 33, 32768 * 2 + 5])
-def test_gelu_kernel_lengths_and_in_place(n):
+def test_gelu_kernel_lengths_and_in_place(n, approximate):
     torch.manual_seed(n)
     x = torch.randn(n) * 3
     for v in runnable():
-        out = _gelu(x, v)
-        assert torch.allclose(out, F.gelu(x), rtol=1e-5, atol=2e-6), v
+        out = _gelu(x, v, approximate=approximate)
+        assert torch.allclose(out, F.gelu(x, approximate=approximate), rtol=1e-5, atol=2e-6), v
         y = x.clone()
-        _gelu(y, v, out=y)  # in place: the same numbers
+        _gelu(y, v, out=y, approximate=approximate)  # in place: the same numbers
         assert torch.equal(y, out), v
 
 
-def test_gelu_kernel_refuses_bad_arguments():
-    k = native.kernel("gelu_erf_f32")
+@pytest.mark.parametrize("name", list(KERNELS.values()))
+def test_gelu_kernel_refuses_bad_arguments(name):
+    k = native.kernel(name)
     x = torch.randn(8)
     p = native.ptr(x, "float *")
     assert k(p, p, -1, 1) == -2   # CO_ERR_BAD_ARGUMENT
@@ -70,6 +90,8 @@ def test_gelu_wrapper_checks_dtype_and_layout():
     # the public functions hand what the kernel does not take to torch
     assert torch.equal(native_eltwise.gelu(x.t()), F.gelu(x.t()))
     assert torch.equal(native_eltwise.gelu(x.double()), F.gelu(x.double()))
+    assert torch.equal(native_eltwise.gelu_tanh(x.t()), F.gelu(x.t(), approximate="tanh"))
+    assert torch.equal(native_eltwise.gelu_tanh_(x.double()), F.gelu(x.double(), approximate="tanh"))
 
 
 class FFN(nn.Module):
@@ -119,13 +141,18 @@ def test_gelu_after_a_routed_linear_runs_on_the_native_kernel(tap, monkeypatch):
     del out2
 
 
-def test_tanh_gelu_is_not_routed():
+def test_tanh_gelu_runs_on_the_native_kernel():
+    """oneDNN Graph 3.2 has no tanh GELU: in fp32 it runs on cpu_opt's kernel wherever the linear layer
+    before it runs, where the vector kernels do."""
     torch.manual_seed(0)
     m = FFN(approximate="tanh").eval()
     x = torch.randn(2, 128, 256)
     opt = cpu_opt.optimize(m, x, dtype="fp32")
-    assert ((opt(x) - m(x)).abs().max() / m(x).abs().max()) < 1e-5
-    assert not _gelu_routes(opt)
+    with torch.no_grad():
+        assert ((opt(x) - m(x)).abs().max() / m(x).abs().max()) < 1e-5
+    routes = _gelu_routes(opt)
+    assert len(routes) == (1 if native_eltwise.available() else 0), routes
+    assert all("tanh GELU" in r["why"] for r in routes)
 
 
 class LayerScale(nn.Module):

@@ -41,14 +41,18 @@ def route_gelu(gm: torch.fx.GraphModule, dtype: str) -> list[str]:
 
 
 def _route_tanh_gelu(gm: torch.fx.GraphModule, dtype: str) -> list[str]:
-    """Every tanh GELU (fp32 or bf16) to cpu_opt's oneDNN eltwise primitive
-    (:class:`cpu_opt.backends.onednn_primitives.OnednnEltwise`): oneDNN Graph 3.2 has only the erf GELU,
-    so the tanh form lowered into three partitions (508 us at 128x3072 fp32, 4.7 ms of GPT-2's bf16
-    step), and torch's own tanh GELU is scalar (343 us); in place where nothing else reads the input."""
+    """Every tanh GELU out of oneDNN Graph, in place where nothing else reads the input: oneDNN Graph
+    3.2 has only the erf GELU, so the tanh form lowered into three partitions (508 us at 128x3072 fp32,
+    4.7 ms of GPT-2's bf16 step), and torch's own tanh GELU is scalar (343 us). fp32 goes to cpu_opt's
+    vectorized kernel (:func:`cpu_opt.backends.native_eltwise.gelu_tanh`: 0.15 ms there; GPT-2's 12 took
+    14.7 ms on the oneDNN primitive at batch 1, Zen 3), bf16 (and fp32 without the vector kernels) to
+    cpu_opt's oneDNN eltwise primitive (:class:`cpu_opt.backends.onednn_primitives.OnednnEltwise`)."""
+    from ...backends import native_eltwise
     from ...backends.onednn_primitives import OnednnEltwise
 
-    if dtype not in ("fp32", "bf16") or not _eltwise_runs(torch.float32 if dtype == "fp32" else torch.bfloat16):
+    if dtype not in ("fp32", "bf16"):
         return []
+    on_native = dtype == "fp32" and native_eltwise.available()
     done = 0
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target != aten.gelu.default:
@@ -58,15 +62,25 @@ def _route_tanh_gelu(gm: torch.fx.GraphModule, dtype: str) -> list[str]:
         x, v = n.args[0], n.meta.get("val")
         if not isinstance(v, torch.Tensor) or v.dtype not in (torch.float32, torch.bfloat16):
             continue
+        native_here = on_native and v.dtype == torch.float32
+        if not native_here and not _eltwise_runs(v.dtype):
+            continue   # no kernel here for it (bf16 below avx512_core): torch keeps it
         alone = isinstance(x, torch.fx.Node) and _only_reader(x, n)
-        n.target = OnednnEltwise("gelu_tanh", in_place=alone)
         n.args, n.kwargs = (x,), {}
-        n.meta["cpu_opt_route"] = ("onednn_eltwise", "the tanh GELU on cpu_opt's oneDNN eltwise primitive (oneDNN "
-                                   "Graph 3.2 has only the erf GELU; measured 508 us as three partitions, 343 in torch)")
+        if native_here:
+            n.target = native_eltwise.gelu_tanh_ if alone else native_eltwise.gelu_tanh
+            n.meta["cpu_opt_route"] = ("native", "the tanh GELU on cpu_opt's vectorized kernel (oneDNN Graph 3.2 has "
+                                       "only the erf GELU; 128x3072: 0.15 ms, torch 0.72, measured)")
+        else:
+            n.target = OnednnEltwise("gelu_tanh", in_place=alone)
+            n.meta["cpu_opt_route"] = ("onednn_eltwise", "the tanh GELU on cpu_opt's oneDNN eltwise primitive (oneDNN "
+                                       "Graph 3.2 has only the erf GELU; measured 508 us as three partitions, 343 in "
+                                       "torch)")
         done += 1
     if done:
         gm.recompile()
-    return [f"{done} tanh GELU(s) on cpu_opt's oneDNN eltwise primitive"] if done else []
+    where = "cpu_opt's native kernel" if on_native else "cpu_opt's oneDNN eltwise primitive"
+    return [f"{done} tanh GELU(s) on {where}"] if done else []
 
 
 _ELTWISE_RUNS: dict = {}
@@ -98,8 +112,8 @@ def _only_reader(x: torch.fx.Node, user: torch.fx.Node) -> bool:
         if n.op != "call_function" or list(n.users) != [reader]:
             return False
         schema = getattr(n.target, "_schema", None)
-        if schema is None:
-            return False   # a Python callable: its output may alias anything
+        if schema is None:   # a Python callable: its output may alias anything, unless it says otherwise
+            return getattr(n.target, "returns_fresh", False)
         if not any(r.alias_info is not None for r in schema.returns):
             return True    # a fresh output, read only through the chain
         src = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
