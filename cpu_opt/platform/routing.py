@@ -92,7 +92,7 @@ ZEN5 = "AMD Zen 5 (AVX-512, AVX512_BF16, VNNI), 2 threads, shared/KNOWN.md"
 ICX = "Intel Ice Lake-SP (AVX-512, VNNI, no AVX512_BF16), 2 threads, shared/KNOWN.md"
 ZEN4 = "AMD EPYC Zen 4 (family 25 model 17: AVX-512, AVX512_BF16, VNNI, no AMX), 2 threads, 2026-12-03"
 ZEN3 = "AMD EPYC Zen 3 (family 25 model 1, AVX2 only), 2 threads, 3 calibrate runs, 2026-12-01"
-ZEN3_SGEMM = "the same Zen 3, 2026-12-06, bench/results/sgemm_zen_3.json"
+ZEN3_DEC6 = "the same Zen 3, 2 threads, 2026-12-06"
 ZEN3_EARLIER = "the same Zen 3, November 2026, end-to-end A/B"
 XEON_AMX = ("Intel Xeon with AMX (family 6 model 167: AVX512_BF16, AVX512_FP16, AMX-BF16/INT8), 2 threads, "
             "2026-12-02")
@@ -167,7 +167,7 @@ RULES: tuple[Rule, ...] = (
          "packed for the row count (`python -m bench sgemm`, interleaved medians of 41, ms, 1 / 2 threads): "
          "128x768x768 1.93 / 1.14 vs 2.23 / 1.28; 128x768x3072 8.18 / 4.19 vs 9.22 / 4.92; 128x3072x768 7.43 / "
          "4.39 vs 8.38 / 5.39; 1024x768x3072 58.3 / 32.0 vs 68.1 / 35.5 (1.11-1.23x on every shape; 74-85 "
-         f"against 66-74 GFLOP/s per core, {ZEN3_SGEMM}). Not measured on AVX-512, where the kernel still runs "
+         f"against 66-74 GFLOP/s per core, {ZEN3_DEC6}; bench/results/sgemm_zen_3.json). Not measured on AVX-512, where the kernel still runs "
          "its AVX2 tile: the rules below stay there", any_of=(AVX2,), none_of=frozenset({"avx512f"}),
          min_rows=LINEAR_TORCH_MIN_ROWS),
     Rule("linear", "fp32", "torch_onednn",
