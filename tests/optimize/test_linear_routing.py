@@ -368,8 +368,8 @@ def test_linears_on_the_packed_gemm_match_eager(monkeypatch):
         assert _rel(opt(x2), m(x2)) < 1e-5
         assert torch.equal(y, keep)
     routed = [r["route"] for r in opt.report()["routed"]]
-    if not native.vectorized():   # no vector kernels: the layers went to torch's oneDNN instead
-        assert routed == ["torch_onednn"] * 3
+    if not native.vectorized():   # no vector kernels: never the packed GEMM (torch's oneDNN, or all in torch)
+        assert set(routed) <= {"torch_onednn"}, routed
         return
     assert routed == ["native_gemm"] * 3
     plan = next(iter(opt._plans.values()))   # the first shape's plan
