@@ -9,6 +9,8 @@ kernel does not take (more rows than ``MAX_ROWS`` at a later call, other dtypes,
 to torch."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import native
@@ -185,6 +187,13 @@ def ts_weight_grad(g: torch.Tensor, x: torch.Tensor, bias: bool = False):
 
 # ----------------------------------------------------------------------------- packed GEMMs
 
+@functools.lru_cache(maxsize=None)
+def _packed_size(n: int, k: int) -> int:
+    """Floats in the packed form of an (n, k) weight (the kernel's own answer, asked once per shape:
+    :func:`packed_linear` checks it on every call)."""
+    return int(native.kernel("sgemm_packed_size")(n, k))
+
+
 def pack_weight(w: torch.Tensor, kn: bool = False) -> torch.Tensor:
     """The weight of a linear layer (``w`` (N, K), nn.Linear's layout, or (K, N) when ``kn``) packed
     for :func:`packed_linear`: ceil(N / 16) panels of K x 16 floats (``native/kernels/sgemm.c``), a
@@ -195,7 +204,7 @@ def pack_weight(w: torch.Tensor, kn: bool = False) -> torch.Tensor:
     n, k = (w.shape[1], w.shape[0]) if kn else tuple(w.shape)
     if n < 1 or k < 1:
         raise ValueError(f"pack_weight: an empty weight {tuple(w.shape)}")
-    size = int(native.kernel("sgemm_packed_size")(n, k))
+    size = _packed_size(n, k)
     packed = torch.empty(size, dtype=torch.float32)
     native.check(native.kernel("sgemm_pack_f32")(_ptr(w), n, k, int(kn), _ptr(packed)), "sgemm_pack_f32",
                  f"{tuple(w.shape)}")
@@ -228,7 +237,7 @@ def packed_linear(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None, n: 
         raise ValueError(f"packed_linear: x must be a float32 CPU tensor, got {x.dtype} {tuple(x.shape)} ({x.device})")
     k = x.shape[-1]
     if k < 1 or n < 1 or wp.dtype != torch.float32 or not wp.is_contiguous() or \
-            wp.numel() != int(native.kernel("sgemm_packed_size")(n, k)):
+            wp.numel() != _packed_size(n, k):
         raise ValueError(f"packed_linear: the packed weight ({wp.dtype}, {wp.numel()} values) was not packed for "
                          f"{n} outputs of {k} inputs")
     if b is not None and (b.dtype != torch.float32 or b.numel() != n or not b.is_contiguous()):
