@@ -210,12 +210,13 @@ int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *
 /* ---- GEMMs against packed constant weights (native/kernels/sgemm.c) ----
  * sgemm_packed_size: floats of W packed for (N, K) (-1 for N or K < 1). sgemm_pack_f32: W (N x K when
  * w_kn = 0, K x N when w_kn = 1) into that many floats at bp. sgemm_packed_f32: C (M x N) = A (M x K,
- * row stride lda) W' (+ bias[N]) (+ add, M x N dense), then max(0, C) when relu = 1. CO_ERR_BAD_ARGUMENT
+ * row stride lda) W' (+ bias[N]) (+ add, M x N dense), then the activation act (0 none, 1 relu, 2 erf GELU,
+ * 3 tanh GELU: eltwise.c's). CO_ERR_BAD_ARGUMENT
  * for sizes out of range or a NULL a / bp / c, CO_ERR_NO_MEMORY when the A strips cannot be allocated;
  * nothing written on an error. */
 int64_t KFN(sgemm_packed_size)(int64_t N, int64_t K);
 int64_t KFN(sgemm_pack_f32)(const float *w, int64_t N, int64_t K, int w_kn, float *bp);
-int64_t KFN(sgemm_packed_f32)(const float *a, int64_t M, int64_t K, int64_t lda, const float *bp, int64_t N, const float *bias, const float *add, int relu, float *c, int nthreads);
+int64_t KFN(sgemm_packed_f32)(const float *a, int64_t M, int64_t K, int64_t lda, const float *bp, int64_t N, const float *bias, const float *add, int act, float *c, int nthreads);
 
 /* ---- torch's CPU Bernoulli draws (native/kernels/random.c) ----
  * bernoulli_mt19937_f32: out[i] = scale when draw i of torch's MT19937 (the legacy_pod state bytes of

@@ -17,10 +17,15 @@ def _p(t):
     return native.ptr(t, "float *")
 
 
+_ACT = {False: 0, True: 1, "relu": 1, "gelu": 2, "gelu_tanh": 3}
+
+
 def _ref(x, w, b=None, add=None, relu=False):
     y = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     if add is not None:
         y = y + add.double()
+    if relu in ("gelu", "gelu_tanh"):
+        return torch.nn.functional.gelu(y, approximate="tanh" if relu == "gelu_tanh" else "none")
     return torch.relu(y) if relu else y
 
 
@@ -30,13 +35,19 @@ def _call(variant, x, wp, n, b, add, relu, nt, lda=None):
     ffi = native.ffi()
     st = native.kernel("sgemm_packed_f32", variant)(
         _p(x), m, k, lda[1] if lda else k, _p(wp), n, ffi.NULL if b is None else _p(b),
-        ffi.NULL if add is None else _p(add), int(relu), _p(out), nt)
+        ffi.NULL if add is None else _p(add), _ACT[relu], _p(out), nt)
     assert st == 0
     return out
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 1, 1), (4, 7, 17), (7, 385, 33), (13, 769, 48), (128, 64, 16),
-                                   (150, 800, 40), (6, 1200, 5)])
+                                   (150, 800, 40), (6, 1200, 5),
+                                   # C beyond L2 per thread: panels in groups through every K block
+                                   (128, 800, 1200), (300, 1000, 700),
+                                   # narrow N, many rows: threads split the rows
+                                   (100, 70, 40), (61, 390, 384),
+                                   # A's strips over all of K beyond CO_SG_APACK: packed per K block
+                                   (144, 15000, 20)])
 def test_matches_float64_in_every_variant_and_thread_count(M, K, N):
     g = torch.Generator().manual_seed(M * 1000 + K + N)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
@@ -45,7 +56,8 @@ def test_matches_float64_in_every_variant_and_thread_count(M, K, N):
         wp = torch.empty(int(native.kernel("sgemm_packed_size", v)(N, K)))
         assert native.kernel("sgemm_pack_f32", v)(_p(w), N, K, 0, _p(wp)) == 0
         for nt in (1, 2, 3):
-            for bias, res, relu in ((None, None, False), (b, None, False), (b, add, True), (None, add, False)):
+            for bias, res, relu in ((None, None, False), (b, None, False), (b, add, True), (None, add, False),
+                                    (b, None, "gelu"), (b, add, "gelu_tanh")):
                 y = _call(v, x, wp, N, bias, res, relu, nt)
                 ref = _ref(x, w, bias, res, relu)
                 err = ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
@@ -65,7 +77,7 @@ def test_k_by_n_weights_and_strided_rows():
         assert torch.allclose(y.double(), x.double() @ w_kn.double(), rtol=1e-5, atol=1e-4)
 
 
-def test_wrapper_shapes_relu_semantics_and_fresh_outputs():
+def test_wrapper_shapes_activations_and_fresh_outputs():
     g = torch.Generator().manual_seed(5)
     x, w, b = torch.randn(2, 9, 300, generator=g), torch.randn(70, 300, generator=g), torch.randn(70, generator=g)
     wp = NL.pack_weight(w)
@@ -83,11 +95,23 @@ def test_wrapper_shapes_relu_semantics_and_fresh_outputs():
     xs[0, 0] = float("nan")
     ws = torch.ones(16, 300)
     bs = torch.full((16,), -1.0)
-    r = NL.packed_linear(xs, NL.pack_weight(ws), bs, 16, relu=True)
+    r = NL.packed_linear(xs, NL.pack_weight(ws), bs, 16, act="relu")
     assert torch.isnan(r[0]).all() and (r[1:] == 0).all()
+    # the GELUs: what cpu_opt's GELU kernels give on the plain GEMM's output, in the body and the
+    # column tail (70 = 4 panels + 6: there the scalar form of the same formula, within an ulp), so
+    # fusing one into the GEMM changes the result by float32 rounding at most
+    from cpu_opt.backends import native_eltwise
+    for act, sep in (("gelu", native_eltwise.gelu), ("gelu_tanh", native_eltwise.gelu_tanh)):
+        fused = NL.packed_linear(x, wp, b, 70, act=act)
+        torch.testing.assert_close(fused[..., :64], sep(y1)[..., :64], rtol=0, atol=0)
+        torch.testing.assert_close(fused, sep(y1), rtol=2.5e-7, atol=2.5e-7)
+        exact = torch.nn.functional.gelu(y1.double(), approximate="tanh" if act == "gelu_tanh" else "none")
+        torch.testing.assert_close(fused.double(), exact, rtol=0, atol=1e-5)
     # the class target: as the linear pass calls it
     pl = NL.PackedLinear(70, 300)
     torch.testing.assert_close(pl(x, wp, b), y1, rtol=0, atol=0)
+    torch.testing.assert_close(NL.PackedLinear(70, 300, "gelu")(x, wp, b), native_eltwise.gelu(y1), rtol=2.5e-7,
+                               atol=2.5e-7)
     empty = NL.packed_linear(torch.empty(0, 300), wp, b, 70)
     assert empty.shape == (0, 70)
 
@@ -105,6 +129,10 @@ def test_bad_input_raises_and_writes_nothing():
         NL.packed_linear(torch.randn(4, 30, dtype=torch.float64), wp, None, 20)
     with pytest.raises(ValueError, match="2-D float32"):
         NL.pack_weight(torch.randn(3, 4, 5))
+    with pytest.raises(ValueError, match="act must be one of"):
+        NL.packed_linear(torch.randn(4, 30), wp, None, 20, act="swish")
+    with pytest.raises(ValueError, match="act must be one of"):
+        NL.PackedLinear(20, 30, "tanh")
     ffi = native.ffi()
     out = torch.full((4, 20), 7.0)
     x = torch.randn(4, 30)
@@ -112,7 +140,8 @@ def test_bad_input_raises_and_writes_nothing():
     for args in ((_p(x), 4, 30, 29, _p(wp), 20, ffi.NULL, ffi.NULL, 0, _p(out), 1),   # lda < K
                  (_p(x), -1, 30, 30, _p(wp), 20, ffi.NULL, ffi.NULL, 0, _p(out), 1),  # M < 0
                  (_p(x), 4, 30, 30, _p(wp), 0, ffi.NULL, ffi.NULL, 0, _p(out), 1),    # N < 1
-                 (_p(x), 4, 30, 30, _p(wp), 20, ffi.NULL, ffi.NULL, 2, _p(out), 1),   # relu not 0/1
+                 (_p(x), 4, 30, 30, _p(wp), 20, ffi.NULL, ffi.NULL, 4, _p(out), 1),   # act not 0-3
+                 (_p(x), 4, 30, 30, _p(wp), 20, ffi.NULL, ffi.NULL, -1, _p(out), 1),  # act not 0-3
                  (_p(x), 4, 30, 30, ffi.NULL, 20, ffi.NULL, ffi.NULL, 0, _p(out), 1),  # NULL weight
                  (_p(x), 4, 30, 30, _p(wp), 20, ffi.NULL, ffi.NULL, 0, _p(out), 0)):   # no threads
         assert k(*args) == -2

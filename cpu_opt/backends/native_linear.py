@@ -211,30 +211,40 @@ def pack_weight(w: torch.Tensor, kn: bool = False) -> torch.Tensor:
     return packed
 
 
+# the activation a packed GEMM applies as it stores its output (sgemm.c's act codes)
+ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
+
+
 class PackedLinear:
-    """One linear layer's call target on cpu_opt's packed GEMM: ``PackedLinear(n, k)(x, wp, b, add=None,
-    relu=False)`` is ``F.linear(x, W, b)`` (``+ add``, then ``relu``) for the weight ``W`` (n, k) that
+    """One linear layer's call target on cpu_opt's packed GEMM: ``PackedLinear(n, k, act)(x, wp, b,
+    add=None)`` is ``F.linear(x, W, b)`` (``+ add``), then the activation ``act`` (``"none"``,
+    ``"relu"``, ``"gelu"``: the erf form, ``"gelu_tanh"``, computed as
+    :mod:`cpu_opt.backends.native_eltwise` computes them) for the weight ``W`` (n, k) that
     :func:`pack_weight` made ``wp`` from. The kernel resolved once, when the layer is routed."""
 
     returns_fresh = True   # a new tensor on every call: the graph's passes may write into it
 
-    def __init__(self, n: int, k: int, relu: bool = False):
-        self.n, self.k, self.relu = int(n), int(k), bool(relu)
+    def __init__(self, n: int, k: int, act: str = "none"):
+        if act not in ACTIVATIONS:
+            raise ValueError(f"PackedLinear: act must be one of {sorted(ACTIVATIONS)}, got {act!r}")
+        self.n, self.k, self.act = int(n), int(k), act
         self._kernel = native.kernel("sgemm_packed_f32")
-        self.__name__ = "sgemm_relu" if relu else "sgemm"
-        self.__qualname__ = f"PackedLinear({self.k}->{self.n}{', relu' if relu else ''})"
+        self.__name__ = "sgemm" if act == "none" else f"sgemm_{act}"
+        self.__qualname__ = f"PackedLinear({self.k}->{self.n}{'' if act == 'none' else ', ' + act})"
 
     def __call__(self, x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None,
                  add: torch.Tensor | None = None) -> torch.Tensor:
-        return packed_linear(x, wp, b, self.n, add=add, relu=self.relu, kernel=self._kernel)
+        return packed_linear(x, wp, b, self.n, add=add, act=self.act, kernel=self._kernel)
 
 
 def packed_linear(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None, n: int, *,
-                  add: torch.Tensor | None = None, relu: bool = False, kernel=None) -> torch.Tensor:
-    """``x @ W.T + b`` (``+ add``; ``relu`` of it) with ``wp = pack_weight(W)``, ``W`` (n, K) where K is
-    ``x``'s last dimension; a new (…, n) tensor on every call."""
+                  add: torch.Tensor | None = None, act: str = "none", kernel=None) -> torch.Tensor:
+    """``x @ W.T + b`` (``+ add``), then the activation ``act`` (see :class:`PackedLinear`), with ``wp =
+    pack_weight(W)``, ``W`` (n, K) where K is ``x``'s last dimension; a new (…, n) tensor on every call."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1:
         raise ValueError(f"packed_linear: x must be a float32 CPU tensor, got {x.dtype} {tuple(x.shape)} ({x.device})")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"packed_linear: act must be one of {sorted(ACTIVATIONS)}, got {act!r}")
     k = x.shape[-1]
     if k < 1 or n < 1 or wp.dtype != torch.float32 or not wp.is_contiguous() or \
             wp.numel() != _packed_size(n, k):
@@ -257,7 +267,7 @@ def packed_linear(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None, n: 
     ffi = native.ffi()
     st = (kernel or native.kernel("sgemm_packed_f32"))(
         _ptr(x2), m, k, x2.stride(0), _ptr(wp), n, ffi.NULL if b is None else _ptr(b),
-        ffi.NULL if add is None else _ptr(add), int(relu), _ptr(out), torch.get_num_threads())
+        ffi.NULL if add is None else _ptr(add), ACTIVATIONS[act], _ptr(out), torch.get_num_threads())
     if st:
         native.check(st, "sgemm_packed_f32", f"{tuple(x.shape)} -> {n}")
     return out

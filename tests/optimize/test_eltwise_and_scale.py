@@ -7,7 +7,7 @@ from torch import nn
 
 import cpu_opt
 from cpu_opt import hw, native
-from cpu_opt.backends import native_eltwise
+from cpu_opt.backends import native_eltwise, native_linear
 from cpu_opt.compiler import passes
 from cpu_opt.compiler.capture import capture
 
@@ -113,6 +113,13 @@ def _gelu_routes(opt):
     return [r for r in opt.report()["routed"] if r["route"] == "native"]
 
 
+def _fused_acts(opt):
+    """The activations cpu_opt's packed GEMM applies as it stores its output, per layer that has one."""
+    prog = next(iter(opt._plans.values())).program
+    return [n.target.act for n in prog.graph.nodes
+            if isinstance(n.target, native_linear.PackedLinear) and n.target.act != "none"]
+
+
 @pytest.mark.parametrize("tap", [False, True])
 def test_gelu_after_a_routed_linear_runs_on_the_native_kernel(tap, monkeypatch):
     torch.manual_seed(0)
@@ -130,7 +137,12 @@ def test_gelu_after_a_routed_linear_runs_on_the_native_kernel(tap, monkeypatch):
         assert ((o - r).abs().max() / r.abs().max()) < 1e-5
     rep = opt.report()
     linear_routes = {r["route"] for r in rep["routed"] if r["route"] != "native"}
-    if native_eltwise.available() and linear_routes & {"torch_onednn", "torch", "mkl", "native_gemm"}:
+    if native_eltwise.available() and "native_gemm" in linear_routes and not tap:
+        # fc1 on cpu_opt's packed GEMM, h read by the GELU alone: the GEMM applies it as it stores h
+        assert _fused_acts(opt) == ["gelu"] and not _gelu_routes(opt) and calls == [], rep["routed"]
+        assert any(r["op"].endswith("PackedLinear(256->1024, gelu)") for r in rep["routed"]), rep["routed"]
+    elif native_eltwise.available() and linear_routes & {"torch_onednn", "torch", "mkl", "native_gemm"}:
+        assert not _fused_acts(opt)
         assert len(_gelu_routes(opt)) == 1, rep["routed"]
         assert calls == [not tap], calls  # it ran, and in place only when nothing else reads h
     else:  # the GELU stays where the linear layer is (oneDNN fuses it) or in torch
@@ -160,12 +172,55 @@ def test_tanh_gelu_runs_on_the_native_kernel(tap):
         for o, r in zip(outs, refs):
             assert ((o - r).abs().max() / r.abs().max()) < 1e-5
     routes = _gelu_routes(opt)
-    assert len(routes) == (1 if native_eltwise.available() else 0), routes
+    fused = _fused_acts(opt)
+    on_gemm = "native_gemm" in {r["route"] for r in opt.report()["routed"]}
+    # fc1 on cpu_opt's packed GEMM and h read by the GELU alone: the GEMM applies it (the same formula)
+    assert fused == (["gelu_tanh"] if on_gemm and not tap else []), fused
+    assert len(routes) == (1 if native_eltwise.available() and not fused else 0), routes
     assert all("tanh GELU" in r["why"] for r in routes)
     if routes:
         prog = next(iter(opt._plans.values())).program
         gelus = [n.target for n in prog.graph.nodes if n.target in (native_eltwise.gelu_tanh, native_eltwise.gelu_tanh_)]
         assert gelus == [native_eltwise.gelu_tanh if tap else native_eltwise.gelu_tanh_]
+
+
+class Conv1DMLP(nn.Module):
+    """GPT-2's MLP: addmm on (K, N) weights over the rows, viewed back to (batch, seq, N), then the
+    activation (its tanh GELU, or a ReLU)."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(256, 1024) * 0.05), nn.Parameter(torch.randn(1024) * 0.1)
+        self.w2, self.b2 = nn.Parameter(torch.randn(1024, 256) * 0.05), nn.Parameter(torch.randn(256) * 0.1)
+        self.act = act
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = torch.addmm(self.b1, x.view(-1, 256), self.w1).view(b, t, 1024)
+        h = F.gelu(h, approximate="tanh") if self.act == "gelu_tanh" else torch.relu(h)
+        return torch.addmm(self.b2, h.view(-1, 1024), self.w2).view(b, t, 256)
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "relu"])
+def test_an_activation_through_a_view_is_fused_into_the_packed_gemm(act):
+    torch.manual_seed(0)
+    m = Conv1DMLP(act).eval()
+    x = torch.randn(2, 64, 256)
+    with torch.no_grad():
+        opt = cpu_opt.optimize(m, x, dtype="fp32")
+        ref, out = m(x), opt(x)
+        assert ((out - ref).abs().max() / ref.abs().max()) < 1e-5
+        x2 = torch.randn(3, 40, 256)   # another shape: another plan, the same fusion
+        ref2 = m(x2)
+        assert ((opt(x2) - ref2).abs().max() / ref2.abs().max()) < 1e-5
+        assert ((out - ref).abs().max() / ref.abs().max()) < 1e-5   # the first result left alone
+    if "native_gemm" not in {r["route"] for r in opt.report()["routed"]}:
+        assert not _fused_acts(opt)   # no packed GEMM here (no vector kernels, or another CPU's route)
+        return
+    assert _fused_acts(opt) == [act]
+    prog = next(iter(opt._plans.values())).program
+    assert not [n for n in prog.graph.nodes if n.target in (torch.ops.aten.relu.default, torch.ops.aten.gelu.default,
+                                                             native_eltwise.gelu_tanh, native_eltwise.gelu_tanh_)]
 
 
 class LayerScale(nn.Module):

@@ -112,7 +112,8 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
     its activation or residual add then fused: :func:`fuse_torch_linear_post_ops`); ``native`` becomes cpu_opt's GEMV
     (:func:`cpu_opt.backends.native_linear.linear`, the weight in the model's layout); ``native_gemm``
     becomes cpu_opt's packed GEMM (:class:`cpu_opt.backends.native_linear.PackedLinear`, the weight packed
-    once into its panels); ``torch`` stays the ATen op, run by torch."""
+    once into its panels; a ReLU or GELU reading it alone then applied as it stores its output:
+    :func:`fuse_packed_linear_activations`); ``torch`` stays the ATen op, run by torch."""
     from ...platform import routing
 
     if dtype not in ("fp32", "bf16"):
@@ -179,11 +180,13 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
     gm.graph.eliminate_dead_code()
     drop_unused_constants(gm)
     fused = fuse_torch_linear_post_ops(gm) if dtype == "bf16" else 0
+    sgemm_act = fuse_packed_linear_activations(gm) if sgemm else 0
     gm.recompile()
     how = "measured per shape" if measure else "routing"
     parts = [f"{moved} linear layer(s) on torch's oneDNN 3.12" + (f" ({fused} with their activation or residual "
                                                                   f"add fused)" if fused else "")] if moved else []
-    parts += [f"{sgemm} on cpu_opt's packed GEMM"] if sgemm else []
+    parts += [f"{sgemm} on cpu_opt's packed GEMM" + (f" ({sgemm_act} with their activation fused)" if sgemm_act
+                                                     else "")] if sgemm else []
     parts += [f"{mkl_moved} on MKL's packed GEMM"] if mkl_moved else []
     parts += [f"{in_torch} in torch's own kernels"] if in_torch else []
     parts += [f"{gemv} GEMV(s) on cpu_opt's native kernel"] if gemv else []
@@ -291,6 +294,37 @@ def fuse_torch_linear_post_ops(gm: torch.fx.GraphModule) -> int:
         gm.graph.erase_node(u)
         gm.graph.erase_node(n)
         new._rename(name)
+        done += 1
+    return done
+
+
+# activations cpu_opt's packed GEMM applies as it stores C: torch's oneDNN post-op name -> its own
+_PACKED_ACT = {("relu", ""): "relu", ("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh"}
+
+
+def fuse_packed_linear_activations(gm: torch.fx.GraphModule) -> int:
+    """A layer on cpu_opt's packed GEMM whose only reader is a ReLU or a GELU (erf or tanh), directly
+    or through a view (GPT-2's Conv1D: the rows viewed back to (batch, seq, N)), applies it as the GEMM
+    stores each tile (:class:`cpu_opt.backends.native_linear.PackedLinear`'s ``act``): one pass over
+    the output instead of two. The GELUs are the ones :func:`cpu_opt.compiler.passes.route_gelu` would
+    have put on cpu_opt's GELU kernels, computed the same way. Returns how many layers took one."""
+    done = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or not isinstance(n.target, native_linear.PackedLinear) or \
+                n.target.act != "none" or len(n.users) != 1 or len(n.args) != 3 or n.kwargs:
+            continue
+        u = next(iter(n.users))
+        act, src = u, n
+        if _activation(u, n) is None and u.op == "call_function" and u.target in _RESHAPES and u.args[0] is n \
+                and len(u.users) == 1:
+            act, src = next(iter(u.users)), u
+        post = _activation(act, src)
+        name = _PACKED_ACT.get((post[0], post[2])) if post else None
+        if name is None:   # none, or SiLU: not in the kernel
+            continue
+        n.target = native_linear.PackedLinear(n.target.n, n.target.k, name)
+        act.replace_all_uses_with(src)
+        gm.graph.erase_node(act)
         done += 1
     return done
 
