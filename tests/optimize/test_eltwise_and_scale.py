@@ -120,6 +120,12 @@ def _fused_acts(opt):
             if isinstance(n.target, native_linear.PackedLinear) and n.target.act != "none"]
 
 
+def _fused_adds(opt):
+    """How many layers on cpu_opt's packed GEMM add a tensor (a residual) as they store their output."""
+    prog = next(iter(opt._plans.values())).program
+    return sum(1 for n in prog.graph.nodes if isinstance(n.target, native_linear.PackedLinear) and len(n.args) > 3)
+
+
 @pytest.mark.parametrize("tap", [False, True])
 def test_gelu_after_a_routed_linear_runs_on_the_native_kernel(tap, monkeypatch):
     torch.manual_seed(0)
@@ -198,7 +204,59 @@ class Conv1DMLP(nn.Module):
         b, t, _ = x.shape
         h = torch.addmm(self.b1, x.view(-1, 256), self.w1).view(b, t, 1024)
         h = F.gelu(h, approximate="tanh") if self.act == "gelu_tanh" else torch.relu(h)
-        return torch.addmm(self.b2, h.view(-1, 1024), self.w2).view(b, t, 256)
+        y = torch.addmm(self.b2, h.view(-1, 1024), self.w2).view(b, t, 256)
+        return x + y   # the residual, added to the view of the rows
+
+
+class LinearResidual(nn.Module):
+    """BERT's block ends: a linear layer plus a residual of its output's shape, in either operand order,
+    the residual computed after the layer; and adds that must stay (broadcast, alpha, a reused output)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.fc, self.fc2, self.kind = nn.Linear(96, 96), nn.Linear(96, 96), kind
+        self.row = nn.Parameter(torch.randn(96))
+
+    def forward(self, x):
+        if self.kind == "permuted":   # ConvNeXt's block end: channels-last linear, permuted back, + input
+            return x + self.fc(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        h = self.fc(x)
+        if self.kind == "after":
+            return h + torch.tanh(x)        # the residual made after the layer
+        if self.kind == "before":
+            return self.fc2(x) + h          # the layer second; fc2's output on the left also fuses
+        if self.kind == "broadcast":
+            return h + self.row             # not a residual: stays an add
+        if self.kind == "alpha":
+            return torch.add(h, x, alpha=2.0)
+        if self.kind == "reused":
+            return h + x, h                 # h read twice: stays an add
+        raise ValueError(self.kind)
+
+
+@pytest.mark.parametrize("kind,fused", [("after", 1), ("before", 1), ("permuted", 1), ("broadcast", 0), ("alpha", 0),
+                                        ("reused", 0)])
+def test_a_residual_add_is_fused_into_the_packed_gemm(kind, fused):
+    torch.manual_seed(0)
+    m = LinearResidual(kind).eval()
+    x = torch.randn(3, 96, 5, 10) if kind == "permuted" else torch.randn(3, 50, 96)
+    with torch.no_grad():
+        opt = cpu_opt.optimize(m, x, dtype="fp32")
+        ref, out = m(x), opt(x)
+        outs, refs = (out, ref) if kind == "reused" else ((out,), (ref,))
+        for o, r in zip(outs, refs):
+            assert ((o - r).abs().max() / r.abs().max()) < 1e-5
+        opt(torch.randn_like(x))   # the first results left alone
+        for o, r in zip(outs, refs):
+            assert ((o - r).abs().max() / r.abs().max()) < 1e-5
+    if "native_gemm" not in {r["route"] for r in opt.report()["routed"]}:
+        assert _fused_adds(opt) == 0
+        return
+    assert _fused_adds(opt) == fused
+    if fused:
+        prog = next(iter(opt._plans.values())).program
+        assert not [n for n in prog.graph.nodes if n.target == torch.ops.aten.add.Tensor]
+        assert any("residual add fused" in line for line in opt.report()["passes"]), opt.report()["passes"]
 
 
 @pytest.mark.parametrize("act", ["gelu_tanh", "relu"])
@@ -217,7 +275,7 @@ def test_an_activation_through_a_view_is_fused_into_the_packed_gemm(act):
     if "native_gemm" not in {r["route"] for r in opt.report()["routed"]}:
         assert not _fused_acts(opt)   # no packed GEMM here (no vector kernels, or another CPU's route)
         return
-    assert _fused_acts(opt) == [act]
+    assert _fused_acts(opt) == [act] and _fused_adds(opt) == 1   # fc2's view + x too
     prog = next(iter(opt._plans.values())).program
     assert not [n for n in prog.graph.nodes if n.target in (torch.ops.aten.relu.default, torch.ops.aten.gelu.default,
                                                              native_eltwise.gelu_tanh, native_eltwise.gelu_tanh_)]
