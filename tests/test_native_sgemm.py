@@ -42,6 +42,8 @@ def _call(variant, x, wp, n, b, add, relu, nt, lda=None):
 
 @pytest.mark.parametrize("M,K,N", [(1, 1, 1), (4, 7, 17), (7, 385, 33), (13, 769, 48), (128, 64, 16),
                                    (150, 800, 40), (6, 1200, 5),
+                                   # a strip's last 1-5 rows on the 6-, 4- and 2-row tiles
+                                   (9, 50, 33), (11, 70, 20), (8, 40, 17),
                                    # C beyond L2 per thread: panels in groups through every K block
                                    (128, 800, 1200), (300, 1000, 700),
                                    # narrow N, many rows: threads split the rows

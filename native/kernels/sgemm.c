@@ -110,17 +110,20 @@ static inline void KFN(co_sg_store)(const float *v, int nv, float *cr, int first
 
 #if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
 
+/* the first `rows` (6, 4 or 2: a constant where it is inlined) rows of a strip against one panel:
+ * a strip's last rows (M = 128: 21 strips of 6 and one of 2) on a smaller tile instead of six rows'
+ * worth of FMAs for two */
 static inline __attribute__((always_inline)) void
-KFN(co_sg_tile)(int64_t kc, const float *as, const float *b, float *c, int64_t ldc, int mr, int nv, int first,
-                int last, const float *bias, const float *add, int act) {
+KFN(co_sg_tile_rows)(const int rows, int64_t kc, const float *as, const float *b, float *c, int64_t ldc, int mr,
+                     int nv, int first, int last, const float *bias, const float *add, int act) {
     __m256 c0[CO_SG_MR], c1[CO_SG_MR];
 #pragma GCC unroll 6
-    for (int r = 0; r < CO_SG_MR; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+    for (int r = 0; r < rows; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
 #pragma GCC unroll 2
     for (int64_t k = 0; k < kc; ++k) {
         const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
 #pragma GCC unroll 6
-        for (int r = 0; r < CO_SG_MR; ++r) {
+        for (int r = 0; r < rows; ++r) {
             const __m256 av = _mm256_broadcast_ss(as + r);
             c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
             c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
@@ -132,7 +135,7 @@ KFN(co_sg_tile)(int64_t kc, const float *as, const float *b, float *c, int64_t l
      * with a variable bound (mr) would keep them in memory through the k loop */
     float v[CO_SG_MR][CO_SG_NR] __attribute__((aligned(32)));
 #pragma GCC unroll 6
-    for (int r = 0; r < CO_SG_MR; ++r) {
+    for (int r = 0; r < rows; ++r) {
         _mm256_store_ps(v[r], c0[r]);
         _mm256_store_ps(v[r] + 8, c1[r]);
     }
@@ -164,6 +167,16 @@ KFN(co_sg_tile)(int64_t kc, const float *as, const float *b, float *c, int64_t l
         _mm256_storeu_ps(cr, v0);
         _mm256_storeu_ps(cr + 8, v1);
     }
+}
+
+static inline void KFN(co_sg_tile)(int64_t kc, const float *as, const float *b, float *c, int64_t ldc, int mr, int nv,
+                                   int first, int last, const float *bias, const float *add, int act) {
+    if (mr > 4)
+        KFN(co_sg_tile_rows)(6, kc, as, b, c, ldc, mr, nv, first, last, bias, add, act);
+    else if (mr > 2)
+        KFN(co_sg_tile_rows)(4, kc, as, b, c, ldc, mr, nv, first, last, bias, add, act);
+    else
+        KFN(co_sg_tile_rows)(2, kc, as, b, c, ldc, mr, nv, first, last, bias, add, act);
 }
 
 #else
