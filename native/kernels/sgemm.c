@@ -200,6 +200,13 @@ static inline void KFN(co_sg_tile)(int64_t kc, const float *as, const float *b, 
 
 #endif
 
+/* rows i0..i1 of A, columns k0..k0+kc, as consecutive strips of CO_SG_MR rows (the last may be shorter) */
+static inline void KFN(co_sg_pack_block)(const float *a, int64_t lda, int64_t i0, int64_t i1, int64_t k0, int64_t kc,
+                                         float *dst) {
+    for (int64_t i = i0; i < i1; i += CO_SG_MR)
+        KFN(co_sg_strip)(a, lda, i, (int)(i + CO_SG_MR <= i1 ? CO_SG_MR : i1 - i), k0, kc, dst + (i - i0) * kc);
+}
+
 /* threads: tn over the panels, tm over the rows (when the panels are fewer than the threads, or N
  * is narrow and the rows many) */
 static inline void KFN(co_sg_split)(int64_t np, int64_t strips, int nthreads, int *tn, int *tm) {
@@ -258,22 +265,15 @@ int64_t KFN(sgemm_packed_f32)(const float *a, int64_t M, int64_t K, int64_t lda,
             for (int64_t i0 = r0; i0 < r1; i0 += mcb) {
                 const int64_t i1 = i0 + mcb < r1 ? i0 + mcb : r1;
                 if (whole)
-                    for (int64_t k0 = 0; k0 < K; k0 += kcb) {
-                        const int64_t kc = k0 + kcb < K ? kcb : K - k0;
-                        for (int64_t i = i0; i < i1; i += CO_SG_MR)
-                            KFN(co_sg_strip)(a, lda, i, (int)(i + CO_SG_MR <= i1 ? CO_SG_MR : i1 - i), k0, kc,
-                                             as + mcb * k0 + (i - i0) * kc);
-                    }
+                    for (int64_t k0 = 0; k0 < K; k0 += kcb)
+                        KFN(co_sg_pack_block)(a, lda, i0, i1, k0, k0 + kcb < K ? kcb : K - k0, as + mcb * k0);
                 for (int64_t g0 = p0; g0 < p1; g0 += gsize) {
                     const int64_t g1 = g0 + gsize < p1 ? g0 + gsize : p1;
                     for (int64_t k0 = 0; k0 < K; k0 += kcb) {
                         const int64_t kc = k0 + kcb < K ? kcb : K - k0;
                         const int first = k0 == 0, last = k0 + kc == K;
                         const float *ak = whole ? as + mcb * k0 : as;
-                        if (!whole)
-                            for (int64_t i = i0; i < i1; i += CO_SG_MR)
-                                KFN(co_sg_strip)(a, lda, i, (int)(i + CO_SG_MR <= i1 ? CO_SG_MR : i1 - i), k0, kc,
-                                                 as + (i - i0) * kc);
+                        if (!whole) KFN(co_sg_pack_block)(a, lda, i0, i1, k0, kc, as);
                         for (int64_t p = g0; p < g1; ++p) {
                             const int nv = (int)((p + 1) * CO_SG_NR <= N ? CO_SG_NR : N - p * CO_SG_NR);
                             const float *bb = bp + (p * K + k0) * CO_SG_NR;
