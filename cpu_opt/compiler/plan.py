@@ -155,6 +155,7 @@ def build_plan(gm: torch.fx.GraphModule, flat_in, dtype: str, out_dtypes, verbos
     gm.recompile()
     _propagate_shapes(gm, flat_in)
     if use_onednn:
+        log += passes.route_convs(gm, dtype)
         log += passes.route_linears(gm, dtype, measure=measure)
         log += passes.route_gelu(gm, dtype)
     progress.step("shapes")

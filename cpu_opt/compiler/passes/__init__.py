@@ -20,12 +20,14 @@ Each pass takes a GraphModule, rewrites it in place and returns a short log of w
 * :func:`route_linears` — GEMMs on constant weights whose route is ``torch_onednn`` become calls to
   torch's own oneDNN (``torch.ops.mkldnn._linear_pointwise``); with ``measure=True`` each weight
   shape is timed on both backends and the faster wins
+* :func:`route_convs` — 3x3 stride-1 convolutions whose ``conv3x3`` route is ``native_winograd``
+  become calls to cpu_opt's Winograd kernel, their ReLU or residual add and ReLU fused
 * :func:`route_attention` — attention ops to the kernel the attention route names
 * :func:`shared_masks` — a boolean mask several attention ops read made additive once per call
 * :func:`route_gelu` — the exact GELU after a linear layer outside oneDNN Graph to cpu_opt's
   vectorized kernel
 
-Files, one per pass family: ``cleanup.py``, ``canonical.py``, ``fold.py``, ``linear.py``, ``attention.py``,
+Files, one per pass family: ``cleanup.py``, ``canonical.py``, ``fold.py``, ``linear.py``, ``conv.py``, ``attention.py``,
 ``eltwise.py``; ``fx.py``
 holds the FX helpers they share (constants of the graph, aliasing).
 """
@@ -36,6 +38,7 @@ import torch.fx
 from .attention import route_attention, shared_masks
 from .canonical import residual_add_after_view, tanh_gelu
 from .cleanup import drop_dropout, remove_noops
+from .conv import route_convs
 from .eltwise import route_gelu
 from .fold import cast_params, fold_batchnorm, fold_constants, fold_linear_scale, match_operand_dtypes
 from .fx import mutated_state, storage_root, writes_in_place
@@ -43,7 +46,7 @@ from .linear import linear_operands, measure_linear, merge_parallel_linears, rou
 
 __all__ = ["DEFAULT_PASSES", "cast_params", "match_operand_dtypes", "drop_dropout", "fold_batchnorm", "fold_constants", "fold_linear_scale",
            "linear_operands",
-           "measure_linear", "merge_parallel_linears", "mutated_state", "remove_noops", "route_attention", "route_gelu", "route_linears", "run_passes", "shared_masks",
+           "measure_linear", "merge_parallel_linears", "mutated_state", "remove_noops", "route_attention", "route_convs", "route_gelu", "route_linears", "run_passes", "shared_masks",
            "residual_add_after_view", "storage_root", "tanh_gelu", "writes_in_place"]
 
 DEFAULT_PASSES = (drop_dropout, remove_noops, fold_batchnorm, fold_constants, fold_linear_scale, tanh_gelu,

@@ -87,6 +87,19 @@ def add_constant(gm, tensor, before: torch.fx.Node, hint: str, meta_like: torch.
     return node
 
 
+def swap_routed(gm: torch.fx.GraphModule, n: torch.fx.Node, target, args, route: str, why: str) -> torch.fx.Node:
+    """Replace node ``n`` (a linear layer, a convolution) by ``target(*args)`` on ``route``, under
+    ``n``'s name (the report names the layer as the captured graph did); returns the new node."""
+    with gm.graph.inserting_before(n):
+        new = gm.graph.call_function(target, args)
+    new.meta = dict(n.meta)
+    new.meta["cpu_opt_route"] = (route, why)
+    name = n.name
+    replace_node(n, new)
+    new._rename(name)
+    return new
+
+
 def drop_unused_constants(gm):
     used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     for name, _ in list(gm.named_buffers()) + list(gm.named_parameters()):

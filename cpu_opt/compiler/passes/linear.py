@@ -9,7 +9,8 @@ import torch.fx
 from ... import native
 from ...backends import mkl, native_linear
 from ...backends.torch_onednn import TORCH_LINEAR, TORCH_LINEAR_BINARY, bf16_linear_runs, packed_linear_weight
-from .fx import NotConstant, add_constant, drop_unused_constants, get_constant, mutated_state, node_value, replace_node
+from .fx import (NotConstant, add_constant, drop_unused_constants, get_constant, mutated_state, node_value,
+                 replace_node, swap_routed)
 
 aten = torch.ops.aten
 
@@ -89,17 +90,6 @@ def measure_linear(m: int, k: int, n: int, bias: bool, repeats: int = 7) -> dict
     return res
 
 
-def _swap(gm: torch.fx.GraphModule, n: torch.fx.Node, target, args, route: str, why: str) -> None:
-    """Replace linear node ``n`` by ``target(*args)`` on ``route``, under ``n``'s name (the report names
-    the layer as the captured graph did)."""
-    with gm.graph.inserting_before(n):
-        new = gm.graph.call_function(target, args)
-    new.meta = dict(n.meta)
-    new.meta["cpu_opt_route"] = (route, why)
-    name = n.name
-    replace_node(n, new)
-    new._rename(name)
-
 
 def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -> list[str]:
     """Give every GEMM on constant weights its own route (``routing.route("linear", dtype,
@@ -147,18 +137,18 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
             packed = native_linear.pack_weight(wt, kn)   # flat panels: described by a tensor of their shape
             w_node = add_constant(gm, packed, n, "linear_sgemm_packed",
                                   meta_like=torch.empty(packed.shape, device="meta"))
-            _swap(gm, n, native_linear.PackedLinear(*w_nk.shape), (x, w_node, b), "native_gemm", why)
+            swap_routed(gm, n, native_linear.PackedLinear(*w_nk.shape), (x, w_node, b), "native_gemm", why)
             sgemm += 1
             continue
         if backend == "native":
-            _swap(gm, n, native_linear.Gemv(kn), (x, w, b), "native", why)
+            swap_routed(gm, n, native_linear.Gemv(kn), (x, w, b), "native", why)
             gemv += 1
             continue
         if backend == "mkl":
             packed = mkl.packed_weight(w_nk, rows)   # an mkldnn-layout tensor: described by a plain one
             w_node = add_constant(gm, packed, n, "linear_mkl_packed", meta_like=torch.empty(packed.shape, device="meta"))
             w_orig = w if not kn else add_constant(gm, w_nk.detach().contiguous(), n, "linear_weight_nk")
-            _swap(gm, n, mkl.MKL_LINEAR, (x, w_node, w_orig, b, rows), "mkl", why)
+            swap_routed(gm, n, mkl.MKL_LINEAR, (x, w_node, w_orig, b, rows), "mkl", why)
             mkl_moved += 1
             continue
         if backend not in ("torch_onednn", "torch"):
@@ -173,7 +163,7 @@ def route_linears(gm: torch.fx.GraphModule, dtype: str, measure: bool = False) -
         # frozen graphs do: 3-7% faster per call than handing it the (N, K) weights (128x768x3072:
         # 7.46 vs 7.67 ms; 2048x768x3072: 74.8 vs 80.4; Zen 3, interleaved medians)
         w_node = add_constant(gm, packed_linear_weight(w_nk, rows), n, "linear_packed", meta_like=w_nk)
-        _swap(gm, n, TORCH_LINEAR, (x, w_node, b, "none", [], ""), "torch_onednn", why)
+        swap_routed(gm, n, TORCH_LINEAR, (x, w_node, b, "none", [], ""), "torch_onednn", why)
         moved += 1
     if not moved and not in_torch and not gemv and not mkl_moved and not sgemm:
         return []
