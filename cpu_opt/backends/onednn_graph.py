@@ -26,6 +26,9 @@ class PartitionStep:
         # per output: the strides the captured graph's metadata gives that value (what its consumers,
         # a later .view() among them, were traced against), or None for values no FX node stands for
         self.out_strides = list(out_strides) if out_strides is not None else [None] * len(output_ids)
+        # input positions whose tensor no later step reads and whose memory no caller sees (set by the
+        # runtime): where the compiled partition can write an output in that input's place, it does
+        self.donate: set = set()
         self._compiled: dict = {}
         self._tls = threading.local()   # reused output buffers: per thread, so concurrent calls never share
         self.__name__ = f"onednn_partition_{index}"
@@ -65,6 +68,11 @@ class PartitionStep:
         else:
             outs = [b if b is not None else torch.empty_strided(lt.shape, lt.strides, dtype=lt.dtype)
                     for b, lt in zip(bufs, cp.outputs)]
+        for i, j in cp.inplace if self.donate else ():
+            t, lt = inputs[i], cp.outputs[j]
+            if i in self.donate and self.reuse[j] and t.dtype == lt.dtype and tuple(t.shape) == tuple(lt.shape) \
+                    and tuple(t.stride()) == tuple(lt.strides):
+                outs[j] = t   # a residual's dead buffer takes the sum: no copy of it into a new one
         cp.run_unchecked(list(inputs), outs)  # the signature picked ``cp``; the buffers are its own
         return tuple(outs)
 

@@ -105,7 +105,42 @@ def build_program(gm: torch.fx.GraphModule, low: LoweredGraph, channels_last: bo
     prog._forward_pre_hooks.clear()
     prog._forward_hooks.clear()
     _bind_constants(prog)
+    _donate_dead_inputs(prog)
     return prog, steps
+
+
+def _donate_dead_inputs(prog: torch.fx.GraphModule) -> None:
+    """Mark, on each partition step, the inputs it may overwrite: a reused (never escaping) output of
+    an earlier partition step that this step reads once and last, every earlier reader of it being a
+    call that does not alias it. Such a buffer is dead after the step; where the compiled partition
+    has an in-place pair (a residual add fused as a sum post-op) the step writes its output there
+    instead of copying the residual into a buffer of its own first (HF ResNet-50 with its 3x3
+    convolutions outside oneDNN: 16 such copies, 1.3 ms a call on a Zen 3)."""
+    order = {n: i for i, n in enumerate(prog.graph.nodes)}
+    for n in prog.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, PartitionStep):
+            continue
+        step = n.target
+        full = [pos for pos in range(len(n.args) + len(step.consts)) if pos not in step.consts]
+        for k, a in enumerate(n.args):
+            if _dead_after(a, n, order):
+                step.donate.add(full[k])
+
+
+def _dead_after(a, n: torch.fx.Node, order: dict) -> bool:
+    """Is ``a`` a reused output buffer of a partition step, read by ``n`` once and by nothing after it?"""
+    if not (isinstance(a, torch.fx.Node) and a.op == "call_function" and a.target is operator.getitem
+            and isinstance(a.args[0], torch.fx.Node) and isinstance(a.args[0].target, PartitionStep)
+            and a.args[0].target.reuse[a.args[1]] and n.args.count(a) == 1):
+        return False
+    for u in a.users:
+        if u is n:
+            continue
+        fresh = isinstance(u.target, PartitionStep) or getattr(u.target, "returns_fresh", False) or \
+            not may_alias_inputs(u)
+        if order[u] > order[n] or u.op != "call_function" or not fresh:
+            return False
+    return True
 
 
 def chain_primitives(prog: torch.fx.GraphModule) -> list[str]:

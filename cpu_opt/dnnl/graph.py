@@ -286,6 +286,15 @@ class CompiledPartition:
         self._in_c, self._out_c = in_c, out_c
         self.what = what
         self._tls = threading.local()
+        # (input position, output position): the output may share the input's memory (a sum post-op's
+        # operand: given one buffer for both, oneDNN accumulates into it instead of copying it first)
+        num, pairs = f.new("size_t *"), f.new("const dnnl_graph_inplace_pair_t **")
+        L.check(l.dnnl_graph_compiled_partition_get_inplace_ports(self.handle, num, pairs),
+                "dnnl_graph_compiled_partition_get_inplace_ports", what)
+        in_pos = {t.id: i for i, t in enumerate(inputs)}
+        out_pos = {t.id: j for j, t in enumerate(outputs)}
+        self.inplace = [(in_pos[q.input_id], out_pos[q.output_id]) for q in (pairs[0][k] for k in range(num[0]))
+                        if q.input_id in in_pos and q.output_id in out_pos]
 
     def _slots(self):
         s = getattr(self._tls, "s", None)
