@@ -218,15 +218,16 @@ int64_t KFN(sgemm_packed_size)(int64_t N, int64_t K);
 int64_t KFN(sgemm_pack_f32)(const float *w, int64_t N, int64_t K, int w_kn, float *bp);
 int64_t KFN(sgemm_packed_f32)(const float *a, int64_t M, int64_t K, int64_t lda, const float *bp, int64_t N, const float *bias, const float *add, int act, float *c, int nthreads);
 
-/* ---- 3 x 3 stride-1 convolutions by Winograd F(2 x 2, 3 x 3) (native/kernels/winograd.c) ----
- * wino_packed_size: floats of a Cout x Cin x 3 x 3 weight transformed and packed (-1 for Cout or
- * Cin < 1). wino_pack_f32: W (OIHW) into that many floats at wp. wino_conv_f32: y (B x OH x OW x
- * Cout, NHWC, OH = H + 2 pad_h - 2, OW = W + 2 pad_w - 2) = conv(x (B x H x W x Cin, NHWC), W) (+ bias)
- * (+ add, B x OH x OW x Cout), then act (0 none, 1 relu). CO_ERR_BAD_ARGUMENT for sizes out of range or a NULL x / wp / y,
- * CO_ERR_NO_MEMORY when the scratch cannot be allocated. */
-int64_t KFN(wino_packed_size)(int64_t Cout, int64_t Cin);
-int64_t KFN(wino_pack_f32)(const float *w, int64_t Cout, int64_t Cin, float *wp);
-int64_t KFN(wino_conv_f32)(const float *x, int64_t B, int64_t H, int64_t W, int64_t Cin, int64_t pad_h, int64_t pad_w, const float *wp, int64_t Cout, const float *bias, const float *add, int act, float *y, int nthreads);
+/* ---- 3 x 3 stride-1 convolutions by Winograd F(m x m, 3 x 3), m = 2 or 4 (native/kernels/winograd.c) ----
+ * wino_packed_size: floats of a Cout x Cin x 3 x 3 weight transformed for m and packed (-1 for Cout or
+ * Cin < 1 or another m). wino_pack_f32: W (OIHW) into that many floats at wp. wino_conv_f32: y (B x OH x
+ * OW x Cout, NHWC, OH = H + 2 pad_h - 2, OW = W + 2 pad_w - 2) = conv(x (B x H x W x Cin, NHWC), W)
+ * (+ bias) (+ add, B x OH x OW x Cout), then act (0 none, 1 relu), wp packed for the same m.
+ * CO_ERR_BAD_ARGUMENT for sizes out of range or a NULL x / wp / y, CO_ERR_NO_MEMORY when the scratch
+ * cannot be allocated. */
+int64_t KFN(wino_packed_size)(int64_t Cout, int64_t Cin, int64_t m);
+int64_t KFN(wino_pack_f32)(const float *w, int64_t Cout, int64_t Cin, int64_t m, float *wp);
+int64_t KFN(wino_conv_f32)(const float *x, int64_t B, int64_t H, int64_t W, int64_t Cin, int64_t pad_h, int64_t pad_w, int64_t m, const float *wp, int64_t Cout, const float *bias, const float *add, int act, float *y, int nthreads);
 
 /* ---- torch's CPU Bernoulli draws (native/kernels/random.c) ----
  * bernoulli_mt19937_f32: out[i] = scale when draw i of torch's MT19937 (the legacy_pod state bytes of

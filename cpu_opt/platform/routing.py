@@ -10,7 +10,7 @@ Backends:
 ``torch_onednn``  torch's own, newer oneDNN (3.12, linked into torch) through ``torch.ops.mkldnn._linear_pointwise``
 ``mkl``           MKL's packed sgemm inside torch (``torch.ops.mkl._mkl_linear``), fp32 linear layers
 ``native``        cpu_opt's own kernels (``native/``): the decode-step GEMV
-``native_winograd``  cpu_opt's fp32 3x3 convolution by Winograd's F(2x2, 3x3) (``native/kernels/winograd.c``),
+``native_winograd``  cpu_opt's fp32 3x3 convolution by Winograd's F(2x2 or 4x4, 3x3) (``native/kernels/winograd.c``),
                   stride-1 3x3 layers on AVX2 CPUs; ``conv`` (work ``conv3x3`` only): the ``conv`` route
 ``native_gemm``   cpu_opt's packed fp32 GEMM (``native/kernels/sgemm.c``: weights packed once into 16-column
                   panels, a 6x16 AVX2 register tile), linear layers of 4+ rows on AVX2 CPUs
@@ -92,7 +92,8 @@ GEMV_NATIVE_MAX_MACS = 32_000_000
 # the smallest measured for Winograd is 115M (ResNet-50's 512-channel 7x7 layers).
 WINOGRAD_MIN_MACS = 16_000_000
 # Below this many 2x2 output tiles (batch x ceil(OH / 2) x ceil(OW / 2): the rows of its 16 GEMMs) a 3x3
-# convolution stays on the `conv` route: the transformed weights are streamed for too little work (see the rule).
+# convolution stays on the `conv` route: the transformed weights are streamed for too little work (see the rule);
+# with this many 4x4 tiles it takes F(4x4, 3x3).
 WINOGRAD_MIN_TILES = 36
 
 # Where each rule's figures come from. Rules name the CPU they were measured on; a rule for a CPU
@@ -240,10 +241,12 @@ RULES: tuple[Rule, ...] = (
          "products on the packed GEMM) against oneDNN 3.2's brgconv:avx2 with a fused ReLU on ResNet-50's stride-1 "
          "3x3 layers at batch 1, interleaved medians of 31: 64ch 56x56 1.07 vs 1.50 ms, 128ch 28x28 0.97 vs 1.63, "
          "256ch 14x14 0.81 vs 1.39, 512ch 7x7 1.60 vs 2.21; relative error against float64 2.6-4.5e-7, the direct "
-         f"convolution's 0.8-1.9e-6 ({ZEN3_DEC7}). Inside HF ResNet-50 (weights cold, the partitions around "
-         "each such layer split) 0.97x of the time with all thirteen, 0.966x without the two 7x7 ones, whose "
-         "16 transformed 512x512 weights (16 MB) are streamed for 16 tiles (rows: the GEMMs' tiles; paired, 41 "
-         "calls). Not measured on AVX-512, where the rules of `conv` stay",
+         "convolution's 0.8-1.9e-6. F(4x4, 3x3) (36 instead of 144) where a layer has 36+ 4x4 tiles: 0.61x of "
+         "F(2x2)'s time at 56x56, 0.74x at 28x28, 0.91x at 14x14 (error 4-7e-6). Whole models against their "
+         "convolutions all in oneDNN (paired, 41 calls): ResNet-18 0.71x the time, HF ResNet-50 0.93x. Layers "
+         "with fewer than 36 2x2 tiles (ResNet-50's 7x7 stage: 16 MB of transformed 512x512 weights streamed for "
+         f"16 tiles) stay: 0.966x without them against 0.971x with them ({ZEN3_DEC7}). Not measured on AVX-512, "
+         "where the rules of `conv` stay",
          any_of=(AVX2,), none_of=frozenset({"avx512f"}), min_macs=WINOGRAD_MIN_MACS, min_rows=WINOGRAD_MIN_TILES),
     *(Rule("conv3x3", d, "conv", "as any convolution: the `conv` route decides", arch="any") for d in DTYPES),
     # ---------------------------------------------------------------- attention

@@ -132,3 +132,21 @@ def test_a_transformers_resnet_runs_its_3x3s_on_the_winograd_kernel(monkeypatch)
     assert len(convs) == 5 and sum(n.target.act == "relu" for n in convs) == 5
     assert sum(len(n.args) == 4 for n in convs) >= 2   # the residual adds of stage 1's blocks
     assert opt.report()["num_partitions"] > 0          # the stem, the 1x1 shortcut: oneDNN Graph
+
+
+def test_layers_with_many_tiles_take_4x4_ones(monkeypatch):
+    """F(4x4, 3x3) where a layer has at least WINOGRAD_MIN_TILES 4x4 output tiles (28 x 28: 49), F(2x2)
+    below (12 x 12: 9); each shape's plan picks for its own sizes, and both answer as eager does."""
+    _force_winograd(monkeypatch)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1)).eval()
+    opt = cpu_opt.optimize(m, torch.randn(1, 16, 28, 28), dtype="fp32")
+    with torch.no_grad():
+        for size in (28, 12):
+            x = torch.randn(1, 16, size, size)
+            assert _rel(opt(x), m(x)) < 2e-5
+    if not native.vectorized():
+        return
+    sides = [[n.target.m for n in plan.program.graph.nodes if isinstance(n.target, native_conv.WinogradConv2d)]
+             for plan in opt._plans.values()]
+    assert sides == [[4, 4], [2, 2]]

@@ -1,5 +1,5 @@
 """Convolution routing: :func:`route_convs` sends stride-1 ungrouped 3x3 convolutions on constant weights
-to cpu_opt's Winograd kernel where their route (``conv3x3``) says so, and :func:`fuse_conv_post_ops`
+to cpu_opt's Winograd kernel (F(2x2) or F(4x4, 3x3)) where their route (``conv3x3``) says so, and :func:`fuse_conv_post_ops`
 gives them the ReLU, or the residual add and ReLU, that read them alone. Every other convolution stays
 on the ``conv`` route (oneDNN Graph partitions with their own fused post-ops).
 
@@ -65,12 +65,18 @@ def conv3x3_operands(gm, n):
     return x, w, wt, b, pad
 
 
+def _tiles(v: torch.Tensor, m: int) -> int:
+    """The m x m output tiles of an (N, C, OH, OW) convolution output."""
+    return v.shape[0] * ((v.shape[2] + m - 1) // m) * ((v.shape[3] + m - 1) // m)
+
+
 def route_convs(gm: torch.fx.GraphModule, dtype: str) -> list[str]:
     """Give every stride-1 ungrouped 3x3 convolution on constant weights the ``conv3x3`` route
-    (``routing.route("conv3x3", dtype, rows=tiles, macs=...)``): ``native_winograd`` becomes a call to
-    :class:`cpu_opt.backends.native_conv.WinogradConv2d` with the weight transformed and packed once
-    (the node records ``("native_winograd", why)`` in ``meta["cpu_opt_route"]`` and leaves oneDNN
-    Graph); ``conv`` leaves it to the convolution route."""
+    (``routing.route("conv3x3", dtype, rows=2x2 tiles, macs=...)``): ``native_winograd`` becomes a call
+    to :class:`cpu_opt.backends.native_conv.WinogradConv2d` with the weight transformed and packed once,
+    for F(4x4, 3x3) where the layer has ``routing.WINOGRAD_MIN_TILES`` 4x4 tiles, else F(2x2, 3x3) (the
+    node records ``("native_winograd", why)`` in ``meta["cpu_opt_route"]`` and leaves oneDNN Graph);
+    ``conv`` leaves it to the convolution route."""
     from ...platform import routing
 
     if dtype != "fp32" or not native.vectorized():
@@ -83,13 +89,15 @@ def route_convs(gm: torch.fx.GraphModule, dtype: str) -> list[str]:
         x, _w, wt, b, pad = ops
         cout, cin = wt.shape[:2]
         vy = node_value(n)
-        tiles = vy.shape[0] * ((vy.shape[2] + 1) // 2) * ((vy.shape[3] + 1) // 2)
-        r = routing.route("conv3x3", dtype, rows=tiles, macs=vy.numel() * cin * 9)
+        r = routing.route("conv3x3", dtype, rows=_tiles(vy, 2), macs=vy.numel() * cin * 9)
         if r.backend != "native_winograd":
             continue
-        packed = native_conv.pack_weight(wt)
+        # 4x4 tiles where there are as many of them as the route asks of 2x2 ones
+        m = 4 if _tiles(vy, 4) >= routing.WINOGRAD_MIN_TILES else 2
+        packed = native_conv.pack_weight(wt, m)
         w_node = add_constant(gm, packed, n, "conv_winograd_packed", meta_like=torch.empty(packed.shape, device="meta"))
-        swap_routed(gm, n, native_conv.WinogradConv2d(cout, cin, pad), (x, w_node, b), "native_winograd", r.why)
+        swap_routed(gm, n, native_conv.WinogradConv2d(cout, cin, pad, m=m), (x, w_node, b), "native_winograd",
+                    f"F({m}x{m}, 3x3); {r.why}")
         moved += 1
     if not moved:
         return []
