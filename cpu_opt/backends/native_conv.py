@@ -21,7 +21,7 @@ ACTIVATIONS = {"none": 0, "relu": 1}
 
 
 def _ptr(t: torch.Tensor):
-    return native.ffi().cast("float *", t.data_ptr())
+    return native.ptr(t, "float *")
 
 
 TILES = (2, 4)   # the output tile sides m the kernel has
