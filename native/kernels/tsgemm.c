@@ -237,6 +237,7 @@ KFN(co_ts_tile)(const int R, const float *a, int64_t K, const float *bp, const f
     const __m256i m0 = KFN(co_ts_mask)(n0), m1 = KFN(co_ts_mask)(n1);
     const __m256 bi0 = bias ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();
     const __m256 bi1 = bias && n1 ? _mm256_maskload_ps(bias + 8, m1) : _mm256_setzero_ps();
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
         float *cr = c + r * ldc;
         __m256 v0 = _mm256_add_ps(c0[r], bi0), v1 = _mm256_add_ps(c1[r], bi1);
