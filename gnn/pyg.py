@@ -261,14 +261,14 @@ class _NativeLinear(torch.autograd.Function):
     """``F.linear`` on cpu_opt's tall-skinny GEMM (``native/kernels/tsgemm.c``): node-feature
     layers, 10^4+ rows by a few dozen features. The weight and bias gradients run in one pass over
     ``g`` and ``x``; the forward and the input gradient where their inner dimension is at most
-    :data:`NATIVE_LINEAR_MAX_K` (wider ones are compute-bound, where torch's oneDNN wins)."""
+    :func:`native_linear_max_k` (wider ones are compute-bound, where torch's oneDNN wins)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         w = weight.contiguous()
         ctx.save_for_backward(x, w)
         ctx.has_bias = bias is not None
-        if w.shape[1] <= NATIVE_LINEAR_MAX_K:
+        if w.shape[1] <= native_linear_max_k():
             return native_linear.ts_linear(x, w, None if bias is None else bias.contiguous())
         return _torch_linear(x, w, bias)
 
@@ -282,7 +282,7 @@ class _NativeLinear(torch.autograd.Function):
             return (g.mm(w) if need_x else None, g.t().mm(x) if need_w else None, g.sum(0) if need_b else None)
         gx = gw = gb = None
         if need_x:
-            gx = native_linear.ts_matmul(g, w) if w.shape[0] <= NATIVE_LINEAR_MAX_K else \
+            gx = native_linear.ts_matmul(g, w) if w.shape[0] <= native_linear_max_k() else \
                 _torch_linear(g, w.t().contiguous(), None)
         if need_w:
             gw, gb = native_linear.ts_weight_grad(g, x, bias=need_b)
@@ -297,13 +297,24 @@ def _torch_linear(x, w, b):
     return torch.nn.functional.linear(x, w, b)
 
 
-# The forward and input-gradient GEMMs of _NativeLinear take inner dimensions up to this; above
-# it torch's oneDNN is faster. Measured on the AMD EPYC Zen 3 (AVX2), 2 threads, 100k rows, ms,
-# cpu_opt / torch's oneDNN / addmm: K x N 64x64 6.2 / 6.8 / 11.3; 64x8 2.7 / 3.6 / 5.0; 8x64 1.4 / 2.4 /
-# 4.2; 64x128 14-16 / 44-46 / 47-51; but 128x64 20-21 / 17.5-20 / 23-25. Weight gradients
-# (g^T x over the 100k rows; cpu_opt / mm): 64x64 10.5-12.8 / 14.5-17.2; 8x64 3.2-5.5 / 6.6-8.2;
-# 64x8 4.2-6.1 / 38-52; 128x64 19-24 / 24-30.
+# The forward and input-gradient GEMMs of _NativeLinear take inner dimensions up to
+# native_linear_max_k(); above it torch's oneDNN is faster or unmeasured.
+# AVX-512 (the zmm tiles), measured to K = 64 (routing's gnn_linear rule): NATIVE_LINEAR_MAX_K.
+# AVX2, AMD EPYC Zen 3, 100k rows, ms, cpu_opt / torch's oneDNN / addmm, 1 | 2 threads (December 7,
+# after the tile's accumulators stopped spilling to the stack): K x N 128x64 21.7 / 23.3 / 27.1 |
+# 10.7 / 13.1 / 16.8; 128x128 42.3 / 47.9 / 54.2 | 22.7 / 41.2 / 41.3; 256x64 45.4 / 45.5 / 57.4 |
+# 24.9 / 25.5 / 35.5 (level: so 128). Before that fix 128x64 was 20-21 / 17.5-20 at 2 threads.
+# Weight gradients (g^T x over the 100k rows; cpu_opt / mm): 64x64 10.5-12.8 / 14.5-17.2; 8x64
+# 3.2-5.5 / 6.6-8.2; 64x8 4.2-6.1 / 38-52; 128x64 19-24 / 24-30.
 NATIVE_LINEAR_MAX_K = 64
+NATIVE_LINEAR_MAX_K_AVX2 = 128
+
+
+@functools.lru_cache(maxsize=None)
+def native_linear_max_k() -> int:
+    """The widest inner dimension the tall-skinny GEMM takes in :class:`_NativeLinear` (and the fused
+    MLP and linear-sum paths) on this CPU's kernel variant."""
+    return NATIVE_LINEAR_MAX_K_AVX2 if native.select_variant() == "avx2" else NATIVE_LINEAR_MAX_K
 
 
 @functools.lru_cache(maxsize=None)
@@ -472,7 +483,7 @@ def _mlp_fits(x, lin1, act, lin2) -> bool:
             and all(_initialized(m.weight) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
                     and (m.bias is None or m.bias.dtype == torch.float32) for m in (lin1, lin2))
             and lin1.in_features == x.shape[1] and lin2.in_features == lin1.out_features
-            and max(lin1.in_features, lin1.out_features, lin2.out_features) <= NATIVE_LINEAR_MAX_K)
+            and max(lin1.in_features, lin1.out_features, lin2.out_features) <= native_linear_max_k())
 
 
 def _mlp_forward(self, x):
@@ -542,7 +553,7 @@ def _sum_fits(a1, w1, a2, w2) -> bool:
 
 def _native_sum_fits(a1, w1, a2, w2) -> bool:
     return (_native_linear_route() and _sum_fits(a1, w1, a2, w2)
-            and max(w1.shape[1], w2.shape[1], w1.shape[0]) <= NATIVE_LINEAR_MAX_K)
+            and max(w1.shape[1], w2.shape[1], w1.shape[0]) <= native_linear_max_k())
 
 
 def _sage_forward_fused_root(self, x, edge_index, size=None):

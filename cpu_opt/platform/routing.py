@@ -297,7 +297,11 @@ RULES: tuple[Rule, ...] = (
     Rule("gnn_linear", "fp32", "tall_skinny",
          "100k rows, ms, cpu_opt's tall-skinny GEMM / torch's oneDNN / addmm, K x N: 64x64 6.2 / 6.8 / 11.3, 64x8 2.7 / "
          "3.6 / 5.0, 8x64 1.4 / 2.4 / 4.2, 64x128 14-16 / 44-46 / 47-51; weight gradients (one pass over g and x) "
-         f"against mm: 64x64 10.5-12.8 / 14.5-17.2, 64x8 4.2-6.1 / 38-52 ({ZEN3})",
+         f"against mm: 64x64 10.5-12.8 / 14.5-17.2, 64x8 4.2-6.1 / 38-52 ({ZEN3}). Re-measured 2026-12-07 after the "
+         "AVX2 tile stopped spilling its accumulators (python -m bench sgemm, cpu_opt / addmm, 1 | 2 threads): 64x64 "
+         "10.5 / 12.9 | 7.1 / 8.2, 64x8 2.7 / 5.6 | 1.7 / 4.9, 8x64 2.2 / 4.2 | 1.3 / 2.3, lin_l + lin_r 64+64x64 "
+         "22.0 / 43.0 | 15.9 / 32.8; 128x64 against torch's oneDNN 21.7 / 23.3 | 10.7 / 13.1 (so K up to 128 on "
+         "AVX2: gnn.pyg.native_linear_max_k)",
          any_of=(AVX2,), none_of=frozenset({"avx512f"})),
     Rule("gnn_linear", "fp32", "tall_skinny",
          "AVX-512: the kernel's 12 x 16 zmm tiles (pairs of panels: 12 x 32), the same sums bit for bit as the AVX2 "

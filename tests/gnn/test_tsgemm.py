@@ -248,6 +248,36 @@ def test_pyg_models_train_on_the_tall_skinny_gemm_where_routed(name):
 
 
 
+@pytest.mark.parametrize("k", [64, 128, 192])
+def test_native_linear_takes_inner_dimensions_up_to_the_variants_bound(monkeypatch, k):
+    """_NativeLinear runs its forward (ts_linear) and input gradient (ts_matmul) on the tall-skinny
+    GEMM up to native_linear_max_k() (128 on the AVX2 variant, measured on Zen 3; 64 elsewhere) and
+    on torch's GEMM beyond it; the answers and gradients equal autograd's either way."""
+    calls = {"ts_linear": 0, "ts_matmul": 0}
+    for name in calls:
+        real = getattr(NL, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(NL, name, spy)
+    bound = 128 if native.select_variant() == "avx2" else 64
+    assert gpyg.native_linear_max_k() == bound
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(3001, k, generator=g, requires_grad=True)
+    w = torch.randn(k, k, generator=g, requires_grad=True)  # square: the input gradient's inner dimension is k too
+    b = torch.randn(k, generator=g, requires_grad=True)
+    gy = torch.randn(3001, k, generator=g)
+    y = gpyg._NativeLinear.apply(x, w, b)
+    grads = torch.autograd.grad(y, (x, w, b), gy)
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    ref_grads = torch.autograd.grad(ref, (x, w, b), gy.double())
+    assert calls == ({"ts_linear": 1, "ts_matmul": 1} if k <= bound else {"ts_linear": 0, "ts_matmul": 0})
+    assert _rel(y, ref) < 1e-5
+    for got, want in zip(grads, ref_grads):
+        assert _rel(got, want) < 1e-4
+
+
 @pytest.mark.parametrize("M,K,N", [(37, 64, 64), (25, 9, 8), (1000, 64, 48), (999, 17, 33), (100003, 64, 64),
                                    (13, 5, 3), (40001, 16, 8)])
 def test_epilogue_relu_and_keep_equal_torch_on_the_kernels_own_product(M, K, N):
