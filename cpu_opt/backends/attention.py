@@ -106,11 +106,11 @@ def dpbf16_attention_bf16(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fals
 
 
 def f32_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """The attention of a float32 graph on an AVX-512 CPU in one call of cpu_opt's fused kernel
+    """The attention of a float32 graph on an AVX-512 or AVX2 CPU in one call of cpu_opt's fused kernel
     (``native/kernels/f32_attention.c``): :func:`dpbf16_attention`'s algorithm and operand handling
     (q / k / v read where they lie, causal, grouped heads, the output written in the projection's
     layout) in float32 throughout, so the answers are torch's SDPA's to float32 rounding. What the
-    kernel does not take (dropout, bf16 inputs, other ranks, a CPU without the avx512 variant) runs
+    kernel does not take (dropout, bf16 inputs, other ranks, a CPU without the avx2 or avx512 variant) runs
     torch's SDPA."""
     return _fused_attention(_f32_kernel(), q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                             extended=True, fallback=_torch_sdpa, operands=torch.float32)
@@ -183,11 +183,13 @@ def _fused_attention(fn, q, k, v, attn_mask, dropout_p, is_causal, scale, enable
     return res
 
 
-# the ISA features each fused attention kernel needs beyond the avx512 variant (all run in it only:
+# the ISA features each fused attention kernel needs beyond its variant (the bf16 ones run in avx512 only:
 # every CPU with AMX or AVX512_BF16 has AVX-512)
 _KERNEL_NEEDS = {"amx_attention_bf16": frozenset({"amx_bf16", "amx_tile"}),
                  "dpbf16_attention": frozenset({"avx512_bf16"}),
-                 "f32_attention": frozenset()}   # the avx512 variant alone
+                 "f32_attention": frozenset()}   # the variant alone
+# the variants each kernel is built for (default: avx512 only); f32_attention also has AVX2 tiles
+_KERNEL_VARIANTS = {"f32_attention": ("avx2", "avx512")}
 _fused_fns: dict = {}
 
 
@@ -200,7 +202,7 @@ def _fused_kernel(name: str):
     key = (name, *(os.environ.get(k) for k in native._CAP_VARS))
     if key not in _fused_fns:
         info = hw.detect()
-        ok = _KERNEL_NEEDS[name] <= info.isa and native.select_variant(info) == "avx512"
+        ok = _KERNEL_NEEDS[name] <= info.isa and native.select_variant(info) in _KERNEL_VARIANTS.get(name, ("avx512",))
         _fused_fns[key] = native.kernel(name) if ok else None
     return _fused_fns[key]
 
@@ -216,7 +218,7 @@ def _dpbf16_kernel():
 
 
 def _f32_kernel():
-    """The float32 kernel where this CPU runs the avx512 variant, else None."""
+    """The float32 kernel where this CPU runs the avx2 or avx512 variant, else None."""
     return _fused_kernel("f32_attention")
 
 

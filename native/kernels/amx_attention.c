@@ -305,7 +305,7 @@ static int64_t KFN(co_extent4)(int64_t n0, int64_t n1, int64_t n2, int64_t n3, c
     return (n0 - 1) * s[0] + (n1 - 1) * s[1] + (n2 - 1) * s[2] + n3;
 }
 
-#if defined(CO_VARIANT_AVX512)
+#if defined(CO_VARIANT_AVX512) || defined(CO_VARIANT_AVX2)   /* shared with f32_attention.c's AVX2 kernel */
 /* the arguments of a fused attention kernel (this one, dpbf16_attention.c's, f32_attention.c's; lengths in
  * elements of the operands' own type; k and v with Hk heads,
  * H / Hk query heads reading each): 1 when there is work and every operand's farthest element lies
@@ -334,7 +334,7 @@ static int64_t KFN(co_attention_check)(const void *q, int64_t q_len, const int64
 }
 #endif
 
-#if defined(CO_VARIANT_AVX512)
+#if defined(CO_VARIANT_AVX512) || defined(CO_VARIANT_AVX2)   /* shared with f32_attention.c's AVX2 kernel */
 /* offs[i] = where buffer i of n (sizes[i] bytes) starts, each 64-byte aligned; offs[n] = the total */
 static void KFN(co_buffer_offsets)(const size_t *sizes, int n, size_t *offs) {
     offs[0] = 0;

@@ -1,4 +1,4 @@
-/* Fused float32 attention on AVX-512 FMA (cpu_opt.backends.attention.f32_attention): the attention
+/* Fused float32 attention on AVX-512 or AVX2 FMA (cpu_opt.backends.attention.f32_attention): the attention
  * of float32 graphs, with the operands, limits, statuses and task split of the bf16 kernels
  * (amx_attention.c, dpbf16_attention.c) and their arithmetic in float32 throughout:
  *
@@ -14,10 +14,13 @@
  * (float32 exponentials; an all -inf row gives zeros), p @ v (12 x 32 output dimensions per block)
  * with each row's 1 / sum applied as it is stored. torch's flash kernel computes the same sums in
  * another order (differences at float32 rounding, ~1e-6 relative).
- * Returns CO_ERR_UNSUPPORTED_AMX (the "no such instructions here" status) outside the avx512 variant. */
+ * The avx2 variant runs the same blocks as four 6 x 16 ymm tiles each and the softmax 8 lanes wide
+ * (the same algorithm; sums in another order than the avx512 variant's).
+ * Returns CO_ERR_UNSUPPORTED_AMX (the "no such instructions here" status) in the base variant. */
 
+#if defined(CO_VARIANT_AVX512) || defined(CO_VARIANT_AVX2)
+#define CO_F32_MR 12   /* query rows per register block: 12 x 2 accumulators of 16 floats (AVX2: four 6 x 16 tiles) */
 #if defined(CO_VARIANT_AVX512)
-#define CO_F32_MR 12   /* query rows per register block: 12 x 2 accumulators of 16 floats */
 
 /* c[r][0..31] = rs[r] * sum_{t < n} a[r * lda + t] * b[t * ldb + 0..31] for r < CO_F32_MR (rs NULL:
  * no scale) */
@@ -76,6 +79,119 @@ static float KFN(co_f32_softmax_row)(float *s, int64_t keys, int64_t width, floa
         memset(s + keys, 0, (size_t)(width - keys) * sizeof(float));
     return 1.f / sum;
 }
+
+#else /* AVX2: the same 12 x 32 blocks as four 6 x 16 register tiles, softmax 8 lanes at a time */
+
+/* c[r][0..15] = rs[r] * sum_{t < n} a[r * lda + t] * b[t * ldb + 0..15] for r < 6 (rs NULL: no scale) */
+static inline __attribute__((always_inline)) void
+KFN(co_f32_tile6)(const float *a, int64_t lda, const float *b, int64_t ldb, int64_t n, float *c, int64_t ldc,
+                  const float *rs) {
+    __m256 c0[6], c1[6];
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; r++)
+        c0[r] = c1[r] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t t = 0; t < n; t++) {
+        const __m256 b0 = _mm256_loadu_ps(b + t * ldb), b1 = _mm256_loadu_ps(b + t * ldb + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < 6; r++) {
+            const __m256 av = _mm256_broadcast_ss(a + r * lda + t);
+            c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
+            c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; r++) {
+        const __m256 sc = _mm256_set1_ps(rs ? rs[r] : 1.f);
+        _mm256_storeu_ps(c + r * ldc, rs ? _mm256_mul_ps(c0[r], sc) : c0[r]);
+        _mm256_storeu_ps(c + r * ldc + 8, rs ? _mm256_mul_ps(c1[r], sc) : c1[r]);
+    }
+}
+
+/* the AVX-512 block's contract (12 rows x 32 columns) on four 6 x 16 tiles */
+static void KFN(co_f32_block)(const float *a, int64_t lda, const float *b, int64_t ldb, int64_t n, float *c,
+                              int64_t ldc, const float *rs) {
+    for (int r0 = 0; r0 < CO_F32_MR; r0 += 6)
+        for (int c0 = 0; c0 < 32; c0 += 16)
+            KFN(co_f32_tile6)(a + r0 * lda, lda, b + c0, ldb, n, c + r0 * ldc + c0, ldc, rs ? rs + r0 : NULL);
+}
+
+static inline float KFN(co_f32_hmax8)(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float KFN(co_f32_hsum8)(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp for the softmax, as co_exp_nonpos16: x <= 0, -inf and anything below -87.34 give 0 */
+static inline __m256 KFN(co_exp_nonpos8)(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.33654f);
+    const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    /* 2^n for n in [-126, 0]: a normal float's exponent field */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* co_f32_softmax_row's contract, 8 lanes at a time */
+static float KFN(co_f32_softmax_row)(float *s, int64_t keys, int64_t width, float scale, const float *m) {
+    const int64_t kv = keys / 8 * 8;
+    const __m256 sv = _mm256_set1_ps(scale);
+    __m256 mxv = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < kv; j += 8) {   /* s -> scale s + m in place, and their maximum */
+        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + j), sv);
+        if (m)
+            x = _mm256_add_ps(x, _mm256_loadu_ps(m + j));
+        _mm256_storeu_ps(s + j, x);
+        mxv = _mm256_max_ps(mxv, x);
+    }
+    float mx = KFN(co_f32_hmax8)(mxv);
+    for (int64_t j = kv; j < keys; j++) {
+        const float x = s[j] * scale + (m ? m[j] : 0.f);
+        s[j] = x;
+        mx = x > mx ? x : mx;
+    }
+    if (mx == -INFINITY || mx != mx) {
+        memset(s, 0, (size_t)width * sizeof(float));
+        return 0.f;
+    }
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 sumv = _mm256_setzero_ps();
+    for (int64_t j = 0; j < kv; j += 8) {
+        const __m256 e = KFN(co_exp_nonpos8)(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        sumv = _mm256_add_ps(sumv, e);
+        _mm256_storeu_ps(s + j, e);
+    }
+    float sum = KFN(co_f32_hsum8)(sumv);
+    for (int64_t j = kv; j < keys; j++) {
+        const float x = s[j] - mx;
+        const float e = x < -87.33654f ? 0.f : expf(x);
+        sum += e;
+        s[j] = e;
+    }
+    if (width > keys)
+        memset(s + keys, 0, (size_t)(width - keys) * sizeof(float));
+    return 1.f / sum;
+}
+#endif /* AVX-512 / AVX2 block and softmax */
 
 /* k (nk rows of d floats, row stride ks) -> kp[t][j] = k[j][t], keys zero padded to nk_p */
 static void KFN(co_f32_pack_k)(const float *k, int64_t ks, int64_t nk, int64_t d, int64_t nk_p, float *kp) {
@@ -142,7 +258,7 @@ int64_t KFN(f32_attention)(const float *q, int64_t q_len, const int64_t *qs, con
                            int64_t H, int64_t Hk, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale,
                            int causal, const float *mask, int64_t mask_len, const int64_t *ms, float *out,
                            int64_t out_len, const int64_t *os, int nthreads) {
-#if !defined(CO_VARIANT_AVX512)
+#if !defined(CO_VARIANT_AVX512) && !defined(CO_VARIANT_AVX2)
     CO_ATTENTION_UNUSED();
     (void)Hk;
     (void)causal;

@@ -1,6 +1,6 @@
 """cpu_opt's fused float32 attention (``native/kernels/f32_attention.c``,
 :func:`cpu_opt.backends.attention.f32_attention`), the ``attention``/``fp32`` route on CPUs that run
-the avx512 variant: numbers against a float64 reference at float32 precision (and next to torch's
+the avx2 and avx512 variants: numbers against a float64 reference at float32 precision (and next to torch's
 SDPA's own error), causal and grouped heads, fully masked rows, what it leaves to torch, bounds
 checks on every operand, the status outside its variant, and its calls inside float32 Hugging Face
 models (counted, so a test cannot pass through torch's kernel)."""
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.isa
 
 
 def _runs_here() -> bool:
-    return native.select_variant(hw.detect()) == "avx512"
+    return native.select_variant(hw.detect()) in ("avx2", "avx512")
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_f32_attention_matches_the_float64_reference(B, H, Sq, Sk, D, Dv, mask_k
         # written in the (batch, seq, heads, dim) layout the output projection reads
         assert out.transpose(1, 2).is_contiguous()
     else:
-        assert sdpa_calls, "without the avx512 variant the attention is torch's SDPA"
+        assert sdpa_calls, "without a vector variant the attention is torch's SDPA"
 
 
 @pytest.mark.parametrize("Sq,Sk,H,Hk", [(37, 37, 4, 4), (5, 70, 4, 2), (128, 128, 12, 12), (24, 24, 8, 2), (1, 9, 2, 1),
@@ -124,7 +124,7 @@ def test_f32_attention_fully_masked_rows_are_zero_and_the_rest_goes_to_torch(sdp
 
 def test_f32_attention_kernel_checks_every_operand_bound():
     if not _runs_here():
-        pytest.skip("the kernel's bounds checks run in the avx512 variant; elsewhere it returns CO_ERR_UNSUPPORTED_AMX "
+        pytest.skip("the kernel's bounds checks run in the avx2 and avx512 variants; elsewhere it returns CO_ERR_UNSUPPORTED_AMX "
                     "before reading anything (asserted below)")
     q, k, v = (torch.randn(1, 2, 16, 64) for _ in range(3))
     out = torch.empty(1, 2, 16, 64)
@@ -156,7 +156,7 @@ def test_f32_attention_refuses_outside_its_variant():
     f = native.ffi()
     st = f.new("int64_t[3]", [0, 0, 0])
     for variant in native.compiled_variants():
-        if variant != "avx512":
+        if variant not in ("avx2", "avx512"):
             assert native.kernel("f32_attention", variant)(f.NULL, 0, st, f.NULL, 0, st, f.NULL, 0, st, 1, 1, 1, 1, 1,
                                                             64, 64, 1.0, 0, f.NULL, 0, f.NULL, f.NULL, 0, st, 1) == -6
 
@@ -194,3 +194,26 @@ def test_f32_attention_scale_default_is_torchs():
     q, k, v = _qkv(1, 2, 9, 9, 48, 48, seed=1)
     out = battn.f32_attention(q, k, v)
     assert _rel(out, _reference(q, k, v, scale=1 / math.sqrt(48))) < 2e-6
+
+
+class _SelfAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v) + 1
+
+
+@pytest.mark.parametrize("queries", [1, 12, 40])
+def test_f32_attention_route_is_chosen_per_node_by_its_query_count(queries):
+    """The pass routes each SDPA node by the query count its graph fixes: a decoder's one-token step
+    (1 query) goes where the table's rule for one row says (torch's kernel on AVX2, where the fused
+    call costs more than the work), longer ones to the fused kernel where it runs; the report says so."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, queries, 32), torch.randn(1, 4, 48, 32), torch.randn(1, 4, 48, 32))
+    model = _SelfAttention().eval()
+    opt = cpu_opt.optimize(model, (q, k, v), dtype="fp32")
+    plan = next(iter(opt._plans.values()))
+    routed = [n for n in plan.program.graph.nodes if n.op == "call_function" and n.target is battn.f32_attention]
+    want = routing.route("attention", "fp32", rows=queries).backend == "f32_fused" and _runs_here()
+    assert len(routed) == int(want)
+    if native.select_variant(hw.detect()) == "avx2":
+        assert want == (queries >= 12)
+    torch.testing.assert_close(opt(q, k, v), model(q, k, v), rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ def route_attention(gm: torch.fx.GraphModule, dtype: str, int8: bool = False) ->
     """Attention ops go where the attention route says: torch's flash kernel (the SDPA node as it is),
     matmul -> softmax -> matmul in the graph's dtype, or cpu_opt's fused kernels
     (:mod:`cpu_opt.backends.attention`: bf16 graphs on CPUs with AVX512_BF16 and no AMX, float32 graphs
-    on CPUs with AVX-512).
+    on CPUs with AVX-512 or AVX2; on AVX2 only from 12 queries: a decoder's one-token steps stay on torch's kernel).
 
     ``int8``: the float32 attention of an int8 graph (its matmuls are not quantized) runs cpu_opt's fused
     bf16 kernel where the ``attention``/``int8`` route says so (:func:`cpu_opt.backends.attention.amx_attention`
@@ -44,21 +44,34 @@ def route_attention(gm: torch.fx.GraphModule, dtype: str, int8: bool = False) ->
                 f"torch's flash kernel in bf16 (native bf16 math here; {rb.why})"
             return [f"{len(done)} attention op(s) of the int8 graph on {where}"
                     + (f"; {n_bf16} int8 projection(s) feeding them write bf16" if n_bf16 else "")] if done else []
-    r = routing.route("attention", dtype)
     from ...backends import attention as battn
 
-    target = battn.routed(r.backend, dtype)
-    if target is None:
-        return []
-    n_done = 0
+    done: dict = {}   # route -> how many attention ops took it
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target == aten.scaled_dot_product_attention.default:
             if n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0):
                 continue  # dropout in attention: torch's kernel keeps its semantics
+            # the route by the number of queries where the graph fixes it (a decoder's one-token step
+            # stays on torch's kernel where a rule's min_rows says so), else the route of any count
+            r = routing.route("attention", dtype, rows=_queries(n))
+            target = battn.routed(r.backend, dtype)
+            if target is None:
+                continue
             n.target = target
-            n_done += 1
+            done[r] = done.get(r, 0) + 1
+    if not done:
+        return []
     gm.recompile()
-    return [f"{n_done} attention op(s) routed to {r.backend.replace('_', ' ')} ({r.why})"] if n_done else []
+    return [f"{k} attention op(s) routed to {r.backend.replace('_', ' ')} ({r.why})" for r, k in done.items()]
+
+
+def _queries(n: torch.fx.Node):
+    """The query count of an SDPA node (its query's second-to-last dimension) when the captured
+    graph fixes it, else None (symbolic or unknown)."""
+    qv = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
+    if isinstance(qv, torch.Tensor) and qv.dim() >= 2 and isinstance(qv.shape[-2], int):
+        return qv.shape[-2]
+    return None
 
 
 def shared_masks(gm: torch.fx.GraphModule) -> list[str]:
