@@ -7,8 +7,8 @@
  * the weight gradient at ~60. Here the small operand is packed once per call into 16-column panels
  * that stay in L1, and A is streamed through once, 6 rows at a time, into a 6 x 16 register tile
  * (AVX-512: 12 rows into a 12 x 16 tile, a zmm per row; 12 rows into a 12 x 8 tile when N <= 8).
- * The weight gradient reads A and B where they are, CO_TS_TN_BLOCK rows at a time, each 6 x 16
- * (AVX-512: 12 x 16) tile of the output a pass over the block.
+ * The weight gradient reads A and B where they are, a block of rows at a time (co_ts_tn_rows), each
+ * 6 x 16 (AVX-512: 12 x 16) tile of the output a pass over the block.
  *
  *   ts_gemm_nn_f32: C (M x N) = A (M x K) B' (+ bias[N]) (+ C when accumulate), B' = B (K x N,
  *                   b_nk = 0: a gradient times a weight) or B^T (B N x K, b_nk = 1: nn.Linear's
@@ -39,9 +39,24 @@
 #define CO_TS_PF 1
 #endif
 #ifndef CO_TS_TN_BLOCK
-#define CO_TS_TN_BLOCK 128  /* rows of A and B per pass of the weight-gradient kernel: their packed strips stay in L2 */
+#define CO_TS_TN_BLOCK 128  /* at most this many rows of A and B per pass of the weight-gradient kernel */
 #endif
 #endif
+
+/* Rows of A and B per pass of the weight-gradient kernel. AVX2: the most (a power of 2, 16 to
+ * CO_TS_TN_BLOCK) whose rows of both fit in 32 KiB, so that the block's 4-11 tile passes read it from
+ * L1: Zen 3, 100k rows, 1 thread, 64 x 64 11.0 -> 9.6 ms (64 rows), 8 x 64 2.6-2.9 -> 2.1-2.3 (64),
+ * 64 x 128 22.0 -> 19.5 (32), against 128 rows that stay in L2. AVX-512 keeps 128 rows (not measured). */
+static inline int64_t KFN(co_ts_tn_rows)(int64_t N1, int64_t N2) {
+    int64_t rows = CO_TS_TN_BLOCK;
+#if defined(CO_VARIANT_AVX2)
+    while (rows > 16 && rows * (N1 + N2) * (int64_t)sizeof(float) > 32768) rows /= 2;
+#else
+    (void)N1;
+    (void)N2;
+#endif
+    return rows;
+}
 
 /* rows per register tile for N > 8, per variant: AVX2 holds a 6 x 16 tile in 12 ymm registers;
  * AVX-512 a 12 x 16 tile in 12 zmm registers (one per row: the panel's 16 columns are one vector) */
@@ -372,12 +387,12 @@ KFN(co_ts_tn_tile)(const int R, const float *a, int64_t lda, const float *b, int
 }
 #endif
 
-/* rows [m0, m1) (at most CO_TS_TN_BLOCK) into the thread's partial. A and B are read where they
+/* rows [m0, m1) (at most blk) into the thread's partial. A and B are read where they
  * are (the 6 broadcasts of a tile step are one row of A, its two vectors 16 columns of one row of
  * B): only a last strip of B narrower than 16 columns is copied, zero-padded, into scratch.
  * Packing both operands cost a quarter of the arithmetic's time (scalar copies of A's strips). */
 static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int64_t N2, int64_t m0, int64_t m1,
-                                int64_t m_end, float *part, float *colsum, float *scratch) {
+                                int64_t m_end, int64_t blk, float *part, float *colsum, float *scratch) {
     const int64_t ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR, L = m1 - m0;
     const int64_t na = (N1 + CO_TS_MRV - 1) / CO_TS_MRV, nb = ldp / CO_TS_NR;
     const int64_t fb = N2 / CO_TS_NR; /* whole strips of B */
@@ -395,7 +410,7 @@ static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int6
         }
     /* the next block's rows of A and B (contiguous byte ranges), prefetched into L2 a slice per
      * tile, so that reading them does not wait on memory while the arithmetic here does not use it */
-    const int64_t mn = m1 + CO_TS_TN_BLOCK < m_end ? m1 + CO_TS_TN_BLOCK : m_end;
+    const int64_t mn = m1 + blk < m_end ? m1 + blk : m_end;
     const char *pfa = (const char *)(a + m1 * N1), *pfb = (const char *)(b + m1 * N2);
     const int64_t la = m1 < mn ? ((mn - m1) * N1 * 4 + 63) / 64 : 0, lb = m1 < mn ? ((mn - m1) * N2 * 4 + 63) / 64 : 0;
     const int64_t per_tile = (la + lb + na * nb - 1) / (na * nb);
@@ -445,10 +460,11 @@ static void KFN(co_ts_rows)(int64_t R, const float *a, int64_t K, const float *b
 }
 
 static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int64_t N2, int64_t m0, int64_t m1,
-                                int64_t m_end, float *part, float *colsum, float *scratch) {
+                                int64_t m_end, int64_t blk, float *part, float *colsum, float *scratch) {
     const int64_t ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR;
     (void)scratch;
     (void)m_end;
+    (void)blk;
     for (int64_t m = m0; m < m1; ++m)
         for (int64_t i = 0; i < N1; ++i) {
             const float ai = a[m * N1 + i];
@@ -549,6 +565,7 @@ int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *
     const size_t psz = (size_t)(N1 * ldp + N1); /* the padded partial, then the partial column sums */
     /* per thread: a block's last strip of B when N2 is not a multiple of 16, zero-padded (64-byte aligned) */
     const size_t ssz = (size_t)CO_TS_TN_BLOCK * CO_TS_NR;
+    const int64_t blk = KFN(co_ts_tn_rows)(N1, N2);
     float *part = (float *)calloc((size_t)nt * psz, sizeof(float));
     float *scratch = (float *)aligned_alloc(64, (size_t)nt * ssz * sizeof(float));
     if (!part || !scratch) {
@@ -562,9 +579,9 @@ int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *
         const int n_t = nt > 1 ? omp_get_num_threads() : 1;
         const int64_t m0 = M * t / n_t, m1 = M * (t + 1) / n_t;
         float *pt = part + (size_t)t * psz;
-        for (int64_t m = m0; m < m1; m += CO_TS_TN_BLOCK) {
-            const int64_t me = m1 - m < CO_TS_TN_BLOCK ? m1 : m + CO_TS_TN_BLOCK;
-            KFN(co_ts_tn_block)(a, N1, b, N2, m, me, m1, pt, colsum ? pt + N1 * ldp : NULL, scratch + (size_t)t * ssz);
+        for (int64_t m = m0; m < m1; m += blk) {
+            const int64_t me = m1 - m < blk ? m1 : m + blk;
+            KFN(co_ts_tn_block)(a, N1, b, N2, m, me, m1, blk, pt, colsum ? pt + N1 * ldp : NULL, scratch + (size_t)t * ssz);
         }
 #pragma omp barrier
         /* each thread sums its share of the output rows over the partials */

@@ -56,7 +56,7 @@ def test_nn_matches_float64_in_every_variant_and_thread_count(M, K, N):
 
 
 @pytest.mark.parametrize("M,N1,N2", [(1, 1, 1), (3, 7, 5), (300, 8, 64), (300, 64, 8), (1000, 64, 64),
-                                     (257, 13, 33), (5, 1024, 3), (100003, 6, 16)])
+                                     (257, 13, 33), (5, 1024, 3), (100003, 6, 16), (2001, 64, 160)])
 def test_tn_matches_float64_with_column_sums(M, N1, N2):
     g = torch.Generator().manual_seed(M + N1 * 7 + N2)
     a = torch.randn(M, N1, generator=g)
