@@ -64,6 +64,14 @@ static inline __m256 KFN(co_gelu8)(__m256 v) {
 #endif
 
 #if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
+/* the sum of v's 8 lanes (gemv.c, f32_attention.c) */
+static inline float KFN(co_hsum8)(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
 /* exp(x) for x in [-88, 88] (clamped), Cephes' expf */
 static inline __m256 KFN(co_exp8)(__m256 x) {
     x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.f)), _mm256_set1_ps(-88.f));

@@ -123,13 +123,6 @@ static inline float KFN(co_f32_hmax8)(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-static inline float KFN(co_f32_hsum8)(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* exp for the softmax, as co_exp_nonpos16: x <= 0, -inf and anything below -87.34 give 0
  * (eltwise.c's Cephes exp, whose clamp would otherwise give exp(-88) there) */
 static inline __m256 KFN(co_exp_nonpos8)(__m256 x) {
@@ -166,7 +159,7 @@ static float KFN(co_f32_softmax_row)(float *s, int64_t keys, int64_t width, floa
         sumv = _mm256_add_ps(sumv, e);
         _mm256_storeu_ps(s + j, e);
     }
-    float sum = KFN(co_f32_hsum8)(sumv);
+    float sum = KFN(co_hsum8)(sumv);
     for (int64_t j = kv; j < keys; j++) {
         const float x = s[j] - mx;
         const float e = x < -87.33654f ? 0.f : expf(x);

@@ -17,15 +17,6 @@
 #define CO_GEMV_MAX_ROWS 8
 #endif
 
-#if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
-static inline float KFN(co_hsum8)(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
-#endif
-
 /* acc[m, :] += sum over k in [k0, k1) of x[m, k] * W[k, :], W K x N */
 static void KFN(co_gemv_kn_block)(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
                                   int64_t k0, int64_t k1, float *acc) {
