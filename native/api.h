@@ -206,6 +206,10 @@ int64_t KFN(ts_gemm_nn_ep_f32)(const float *a, int64_t M, int64_t K, const float
 /* ts_gemm_nn2_f32: C (M x N) = A1 W1^T + A2 W2^T (+ bias), A1 M x K1, A2 M x K2, W1 N x K1, W2 N x K2. */
 int64_t KFN(ts_gemm_nn2_f32)(const float *a1, int64_t M, int64_t K1, const float *w1, const float *a2, int64_t K2, const float *w2, int64_t N, const float *bias, float *c, int nthreads);
 int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *b, int64_t N2, float *c, float *colsum, int nthreads);
+/* ts_gemm_nn2_ep_f32: ts_gemm_nn2_f32, then max(0, C) when relu = 1. ts_gemm_tn_ep_f32: ts_gemm_tn_f32
+ * with A taken as 0 where keep (M x N1, like A; NULL: none) is <= 0: threshold_backward(A, keep, 0). */
+int64_t KFN(ts_gemm_nn2_ep_f32)(const float *a1, int64_t M, int64_t K1, const float *w1, const float *a2, int64_t K2, const float *w2, int64_t N, const float *bias, int relu, float *c, int nthreads);
+int64_t KFN(ts_gemm_tn_ep_f32)(const float *a, int64_t M, int64_t N1, const float *b, int64_t N2, const float *keep, float *c, float *colsum, int nthreads);
 
 /* ---- GEMMs against packed constant weights (native/kernels/sgemm.c) ----
  * sgemm_packed_size: floats of W packed for (N, K) (-1 for N or K < 1). sgemm_pack_f32: W (N x K when

@@ -92,8 +92,9 @@ def ts_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *
 
 
 def ts_linear_sum(a1: torch.Tensor, w1: torch.Tensor, a2: torch.Tensor, w2: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``a1 @ w1.T + a2 @ w2.T + bias`` in one pass over the output (both weights (N, K_i))."""
+                  bias: torch.Tensor | None = None, *, relu: bool = False) -> torch.Tensor:
+    """``a1 @ w1.T + a2 @ w2.T + bias`` in one pass over the output (both weights (N, K_i));
+    ``relu``: ``torch.relu`` of that, in the same pass."""
     _ts_check("ts_linear_sum", ("a1", a1), ("w1", w1), ("a2", a2), ("w2", w2))
     M, K1 = a1.shape
     K2, N = a2.shape[1], w1.shape[0]
@@ -108,10 +109,11 @@ def ts_linear_sum(a1: torch.Tensor, w1: torch.Tensor, a2: torch.Tensor, w2: torc
     if M == 0:
         return out
     ffi = native.ffi()
-    st = native.kernel("ts_gemm_nn2_f32")(_ptr(a1), M, K1, _ptr(w1), _ptr(a2), K2, _ptr(w2), N,
-                                          ffi.NULL if bias is None else _ptr(bias), _ptr(out), torch.get_num_threads())
+    st = native.kernel("ts_gemm_nn2_ep_f32")(_ptr(a1), M, K1, _ptr(w1), _ptr(a2), K2, _ptr(w2), N,
+                                             ffi.NULL if bias is None else _ptr(bias), int(relu), _ptr(out),
+                                             torch.get_num_threads())
     if st:
-        native.check(st, "ts_gemm_nn2_f32", f"{tuple(a1.shape)}, {tuple(a2.shape)} -> {N}")
+        native.check(st, "ts_gemm_nn2_ep_f32", f"{tuple(a1.shape)}, {tuple(a2.shape)} -> {N}")
     return out
 
 
@@ -163,12 +165,18 @@ def _ts_nn(what, a, b, b_nk: bool, bias, out, accumulate, *, relu: bool = False,
     return out
 
 
-def ts_weight_grad(g: torch.Tensor, x: torch.Tensor, bias: bool = False):
+def ts_weight_grad(g: torch.Tensor, x: torch.Tensor, bias: bool = False, *, keep: torch.Tensor | None = None):
     """``(g.T @ x, g.sum(0) if bias else None)`` in one pass over the rows of ``g`` and ``x``: a
-    linear layer's weight and bias gradients."""
+    linear layer's weight and bias gradients. ``keep`` (``g``'s shape): ``g`` taken as 0 where
+    ``keep <= 0``, as ``torch.ops.aten.threshold_backward(g, keep, 0)`` (the layer's output went
+    through a ReLU whose output was ``keep``), masked as it is read (no masked copy of ``g``)."""
     _ts_check("ts_weight_grad", ("g", g), ("x", x))
     if g.shape[0] != x.shape[0]:
         raise ValueError(f"ts_weight_grad: g {tuple(g.shape)} and x {tuple(x.shape)} have different row counts")
+    if keep is not None:
+        _ts_check("ts_weight_grad", ("keep", keep))
+        if keep.shape != g.shape:
+            raise ValueError(f"ts_weight_grad: keep must have g's shape {tuple(g.shape)}, got {tuple(keep.shape)}")
     M, N1 = g.shape
     N2 = x.shape[1]
     if not ts_fits(N1, N2):
@@ -178,10 +186,10 @@ def ts_weight_grad(g: torch.Tensor, x: torch.Tensor, bias: bool = False):
     if M == 0:  # no rows: zero gradients (and an empty tensor's data pointer may be NULL)
         return gw.zero_(), None if gb is None else gb.zero_()
     ffi = native.ffi()
-    st = native.kernel("ts_gemm_tn_f32")(_ptr(g), M, N1, _ptr(x), N2, _ptr(gw), ffi.NULL if gb is None else _ptr(gb),
-                                         torch.get_num_threads())
+    st = native.kernel("ts_gemm_tn_ep_f32")(_ptr(g), M, N1, _ptr(x), N2, ffi.NULL if keep is None else _ptr(keep),
+                                            _ptr(gw), ffi.NULL if gb is None else _ptr(gb), torch.get_num_threads())
     if st:
-        native.check(st, "ts_gemm_tn_f32", f"{tuple(g.shape)}^T x {tuple(x.shape)}")
+        native.check(st, "ts_gemm_tn_ep_f32", f"{tuple(g.shape)}^T x {tuple(x.shape)}")
     return gw, gb
 
 

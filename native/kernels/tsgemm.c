@@ -17,9 +17,14 @@
  *                   keep (C = . where keep > 0, else 0; keep M x N like C): a Linear + ReLU's forward, and
  *                   the input gradient of a Linear whose input came out of a ReLU (keep: that output).
  *   ts_gemm_nn2_f32: C (M x N) = A1 W1^T + A2 W2^T (+ bias), W1 N x K1, W2 N x K2: two linear
- *                   layers summed (SAGEConv's lin_l(aggr) + lin_r(x)) in one pass over C.
+ *                   layers summed (SAGEConv's lin_l(aggr) + lin_r(x)) in one pass over C;
+ *                   ts_gemm_nn2_ep_f32 the same with relu (a ReLU after the layer, in the epilogue).
  *   ts_gemm_tn_f32: C (N1 x N2) = A^T B, A M x N1, B M x N2 (a weight gradient g^T x), and
  *                   optionally colsum[N1] = sum over rows of A (the bias gradient) in the same pass.
+ *                   ts_gemm_tn_ep_f32 with keep (M x N1, like A): A taken as 0 where keep <= 0 (not
+ *                   NaN), torch's threshold_backward(A, keep, 0): the weight gradient of a layer
+ *                   followed by a ReLU, from the gradient of the ReLU's output and that output, each
+ *                   block of rows masked once in L1 (no pass writing a masked copy of A to memory).
  *                   Rows split across threads, each into a private partial; partials summed after
  *                   a barrier, so the result does not depend on timing (it does on the thread count).
  * All matrices row-major and dense. Sizes are checked before any memory is touched: CO_ERR_BAD_ARGUMENT
@@ -43,18 +48,15 @@
 #endif
 #endif
 
-/* Rows of A and B per pass of the weight-gradient kernel. AVX2: the most (a power of 2, 16 to
+/* Rows of A and B per pass of the weight-gradient kernel: the most (a power of 2, 16 to
  * CO_TS_TN_BLOCK) whose rows of both fit in 32 KiB, so that the block's 4-11 tile passes read it from
- * L1: Zen 3, 100k rows, 1 thread, 64 x 64 11.0 -> 9.6 ms (64 rows), 8 x 64 2.6-2.9 -> 2.1-2.3 (64),
- * 64 x 128 22.0 -> 19.5 (32), against 128 rows that stay in L2. AVX-512 keeps 128 rows (not measured). */
+ * L1: Zen 3 (AVX2), 100k rows, 1 thread, 64 x 64 11.0 -> 9.6 ms (64 rows), 8 x 64 2.6-2.9 -> 2.1-2.3
+ * (64), 64 x 128 22.0 -> 19.5 (32), against 128 rows that stay in L2. The AVX-512 variant takes the
+ * same blocks: its tiles add the same products in the same order as the AVX2 ones, and with the same
+ * blocks the sums are equal bit for bit (tests/gnn/test_tsgemm.py). */
 static inline int64_t KFN(co_ts_tn_rows)(int64_t N1, int64_t N2) {
     int64_t rows = CO_TS_TN_BLOCK;
-#if defined(CO_VARIANT_AVX2)
     while (rows > 16 && rows * (N1 + N2) * (int64_t)sizeof(float) > 32768) rows /= 2;
-#else
-    (void)N1;
-    (void)N2;
-#endif
     return rows;
 }
 
@@ -78,6 +80,12 @@ static void KFN(co_ts_pack)(const float *b, int64_t K, int64_t N, int b_nk, floa
                 dst[k * CO_TS_NR + j] = n < N ? (b_nk ? b[n * K + k] : b[k * N + n]) : 0.f;
             }
     }
+}
+
+/* n values of a where keep > 0 (or NaN), 0 elsewhere: torch's threshold_backward(a, keep, 0), the
+ * gradient through a ReLU whose output was keep (a flat loop the variant's flags vectorize) */
+static inline void KFN(co_ts_keep)(const float *a, const float *keep, int64_t n, float *dst) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = keep[i] <= 0.f ? 0.f : a[i];
 }
 
 #if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
@@ -391,12 +399,18 @@ KFN(co_ts_tn_tile)(const int R, const float *a, int64_t lda, const float *b, int
  * are (the 6 broadcasts of a tile step are one row of A, its two vectors 16 columns of one row of
  * B): only a last strip of B narrower than 16 columns is copied, zero-padded, into scratch.
  * Packing both operands cost a quarter of the arithmetic's time (scalar copies of A's strips). */
-static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int64_t N2, int64_t m0, int64_t m1,
-                                int64_t m_end, int64_t blk, float *part, float *colsum, float *scratch) {
+static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int64_t N2, const float *keep,
+                                int64_t m0, int64_t m1, int64_t m_end, int64_t blk, float *part, float *colsum,
+                                float *scratch) {
     const int64_t ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR, L = m1 - m0;
     const int64_t na = (N1 + CO_TS_MRV - 1) / CO_TS_MRV, nb = ldp / CO_TS_NR;
     const int64_t fb = N2 / CO_TS_NR; /* whole strips of B */
     const float *ab = a + m0 * N1, *bb = b + m0 * N2;
+    if (keep) { /* the block's rows of A masked once into scratch (beyond B's last strip), read from L1 by the tiles */
+        float *am = scratch + (size_t)blk * CO_TS_NR;
+        KFN(co_ts_keep)(ab, keep + m0 * N1, L * N1, am);
+        ab = am;
+    }
     if (fb < nb)
         for (int64_t m = 0; m < L; ++m) {
             float *d = scratch + m * CO_TS_NR;
@@ -412,16 +426,19 @@ static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int6
      * tile, so that reading them does not wait on memory while the arithmetic here does not use it */
     const int64_t mn = m1 + blk < m_end ? m1 + blk : m_end;
     const char *pfa = (const char *)(a + m1 * N1), *pfb = (const char *)(b + m1 * N2);
+    const char *pfk = keep ? (const char *)(keep + m1 * N1) : NULL;
     const int64_t la = m1 < mn ? ((mn - m1) * N1 * 4 + 63) / 64 : 0, lb = m1 < mn ? ((mn - m1) * N2 * 4 + 63) / 64 : 0;
-    const int64_t per_tile = (la + lb + na * nb - 1) / (na * nb);
+    const int64_t lk = keep ? la : 0; /* keep's rows like A's */
+    const int64_t per_tile = (la + lb + lk + na * nb - 1) / (na * nb);
     int64_t next = 0;
     for (int64_t jb = 0; jb < nb; ++jb) {
         const float *bp = jb < fb ? bb + jb * CO_TS_NR : scratch;
         const int64_t ldb = jb < fb ? N2 : CO_TS_NR;
         for (int64_t ia = 0; ia < na; ++ia) {
             const int64_t R = N1 - ia * CO_TS_MRV < CO_TS_MRV ? N1 - ia * CO_TS_MRV : CO_TS_MRV;
-            for (int64_t q = 0; q < per_tile && next < la + lb; ++q, ++next)
-                __builtin_prefetch(next < la ? pfa + next * 64 : pfb + (next - la) * 64, 0, 2);
+            for (int64_t q = 0; q < per_tile && next < la + lb + lk; ++q, ++next)
+                __builtin_prefetch(next < la ? pfa + next * 64 : next < la + lb ? pfb + (next - la) * 64
+                                                                                : pfk + (next - la - lb) * 64, 0, 2);
             const float *ap = ab + ia * CO_TS_MRV;
             float *pt = part + ia * CO_TS_MRV * ldp + jb * CO_TS_NR;
             switch (R) {
@@ -459,15 +476,16 @@ static void KFN(co_ts_rows)(int64_t R, const float *a, int64_t K, const float *b
         }
 }
 
-static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int64_t N2, int64_t m0, int64_t m1,
-                                int64_t m_end, int64_t blk, float *part, float *colsum, float *scratch) {
+static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int64_t N2, const float *keep,
+                                int64_t m0, int64_t m1, int64_t m_end, int64_t blk, float *part, float *colsum,
+                                float *scratch) {
     const int64_t ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR;
     (void)scratch;
     (void)m_end;
     (void)blk;
     for (int64_t m = m0; m < m1; ++m)
         for (int64_t i = 0; i < N1; ++i) {
-            const float ai = a[m * N1 + i];
+            const float ai = keep && keep[m * N1 + i] <= 0.f ? 0.f : a[m * N1 + i];
             float *pr = part + i * ldp;
             for (int64_t j = 0; j < N2; ++j) pr[j] += ai * b[m * N2 + j];
             if (colsum) colsum[i] += ai;
@@ -547,14 +565,19 @@ int64_t KFN(ts_gemm_nn_ep_f32)(const float *a, int64_t M, int64_t K, const float
     return KFN(co_ts_nn)(a, M, K, b, N, b_nk, NULL, 0, NULL, bias, 0, relu, keep, c, nthreads);
 }
 
-int64_t KFN(ts_gemm_nn2_f32)(const float *a1, int64_t M, int64_t K1, const float *w1, const float *a2, int64_t K2,
-                             const float *w2, int64_t N, const float *bias, float *c, int nthreads) {
+int64_t KFN(ts_gemm_nn2_ep_f32)(const float *a1, int64_t M, int64_t K1, const float *w1, const float *a2, int64_t K2,
+                                const float *w2, int64_t N, const float *bias, int relu, float *c, int nthreads) {
     if (!a2) return CO_ERR_BAD_ARGUMENT;
-    return KFN(co_ts_nn)(a1, M, K1, w1, N, 1, a2, K2, w2, bias, 0, 0, NULL, c, nthreads);
+    return KFN(co_ts_nn)(a1, M, K1, w1, N, 1, a2, K2, w2, bias, 0, relu, NULL, c, nthreads);
 }
 
-int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *b, int64_t N2, float *c,
-                            float *colsum, int nthreads) {
+int64_t KFN(ts_gemm_nn2_f32)(const float *a1, int64_t M, int64_t K1, const float *w1, const float *a2, int64_t K2,
+                             const float *w2, int64_t N, const float *bias, float *c, int nthreads) {
+    return KFN(ts_gemm_nn2_ep_f32)(a1, M, K1, w1, a2, K2, w2, N, bias, 0, c, nthreads);
+}
+
+int64_t KFN(ts_gemm_tn_ep_f32)(const float *a, int64_t M, int64_t N1, const float *b, int64_t N2, const float *keep,
+                               float *c, float *colsum, int nthreads) {
     if (M < 0 || N1 < 1 || N1 > CO_TS_MAX_DIM || N2 < 1 || N2 > CO_TS_MAX_DIM || nthreads < 1)
         return CO_ERR_BAD_ARGUMENT;
     if (!a || !b || !c) return CO_ERR_BAD_ARGUMENT;
@@ -564,8 +587,9 @@ int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *
     if (nt < 1) nt = 1;
     const size_t psz = (size_t)(N1 * ldp + N1); /* the padded partial, then the partial column sums */
     /* per thread: a block's last strip of B when N2 is not a multiple of 16, zero-padded (64-byte aligned) */
-    const size_t ssz = (size_t)CO_TS_TN_BLOCK * CO_TS_NR;
     const int64_t blk = KFN(co_ts_tn_rows)(N1, N2);
+    /* ... then, with keep, the block's rows of A masked (co_ts_tn_block) */
+    const size_t ssz = (size_t)CO_TS_TN_BLOCK * CO_TS_NR + (keep ? (size_t)blk * (size_t)N1 : 0);
     float *part = (float *)calloc((size_t)nt * psz, sizeof(float));
     float *scratch = (float *)aligned_alloc(64, (size_t)nt * ssz * sizeof(float));
     if (!part || !scratch) {
@@ -581,7 +605,7 @@ int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *
         float *pt = part + (size_t)t * psz;
         for (int64_t m = m0; m < m1; m += blk) {
             const int64_t me = m1 - m < blk ? m1 : m + blk;
-            KFN(co_ts_tn_block)(a, N1, b, N2, m, me, m1, blk, pt, colsum ? pt + N1 * ldp : NULL, scratch + (size_t)t * ssz);
+            KFN(co_ts_tn_block)(a, N1, b, N2, keep, m, me, m1, blk, pt, colsum ? pt + N1 * ldp : NULL, scratch + (size_t)t * ssz);
         }
 #pragma omp barrier
         /* each thread sums its share of the output rows over the partials */
@@ -603,4 +627,9 @@ int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *
     free(part);
     free(scratch);
     return CO_OK;
+}
+
+int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *b, int64_t N2, float *c,
+                            float *colsum, int nthreads) {
+    return KFN(ts_gemm_tn_ep_f32)(a, M, N1, b, N2, NULL, c, colsum, nthreads);
 }

@@ -467,3 +467,43 @@ def test_register_max_min_path_equals_the_generic_loops(F):
             assert torch.equal(out.nan_to_num(7.5), ref_out.nan_to_num(7.5)), (v, reduce)
             assert torch.equal(plain.nan_to_num(7.5), ref_plain.nan_to_num(7.5)), (v, reduce)
             assert torch.equal(mask, ref_mask), (v, reduce)
+
+
+def test_relu_epilogue_of_the_linear_sum_and_keep_mask_of_the_weight_gradient_match_torch():
+    """ts_gemm_nn2_ep_f32's relu is torch.relu of ts_gemm_nn2_f32's output, bit for bit; ts_gemm_tn_ep_f32's
+    keep gives what ts_gemm_tn_f32 gives on threshold_backward(g, keep, 0) (NaN in keep passes g, as
+    torch's does), bit for bit, with the column sums, on every variant, for row counts that leave partial
+    blocks and N1 / N2 that leave partial tiles."""
+    gen = torch.Generator().manual_seed(11)
+    N0 = native.ffi().NULL
+    for M, K1, K2, N in [(1, 1, 1, 1), (37, 64, 64, 64), (40001, 64, 64, 8), (777, 13, 7, 33), (130, 5, 9, 100)]:
+        a1, a2 = torch.randn(M, K1, generator=gen), torch.randn(M, K2, generator=gen)
+        w1, w2, b = torch.randn(N, K1, generator=gen), torch.randn(N, K2, generator=gen), torch.randn(N, generator=gen)
+        g = torch.randn(M, N, generator=gen)
+        for v in runnable():
+            plain, ep = torch.full((M, N), float("nan")), torch.full((M, N), float("nan"))
+            native.check(native.kernel("ts_gemm_nn2_f32", v)(_p(a1), M, K1, _p(w1), _p(a2), K2, _p(w2), N, _p(b),
+                                                            _p(plain), 2), "nn2")
+            native.check(native.kernel("ts_gemm_nn2_ep_f32", v)(_p(a1), M, K1, _p(w1), _p(a2), K2, _p(w2), N, _p(b), 1,
+                                                               _p(ep), 2), "nn2_ep")
+            assert torch.equal(ep, torch.relu(plain)), (v, M, N)
+            keep = ep.clone()
+            keep[::7, ::3] = float("nan")
+            for a in (a1, a2):
+                K = a.shape[1]
+                masked = torch.ops.aten.threshold_backward(g, keep, 0)
+                c_ref, s_ref = torch.empty(N, K), torch.empty(N)
+                native.check(native.kernel("ts_gemm_tn_f32", v)(_p(masked), M, N, _p(a), K, _p(c_ref), _p(s_ref), 2), "tn")
+                c, s = torch.full((N, K), float("nan")), torch.full((N,), float("nan"))
+                native.check(native.kernel("ts_gemm_tn_ep_f32", v)(_p(g), M, N, _p(a), K, _p(keep), _p(c), _p(s), 2),
+                             "tn_ep")
+                assert torch.equal(c, c_ref) and torch.equal(s, s_ref), (v, M, N, K)
+                assert _rel(c, masked.double().t() @ a.double()) < 1e-5
+                c2 = torch.full((N, K), float("nan"))
+                native.check(native.kernel("ts_gemm_tn_ep_f32", v)(_p(g), M, N, _p(a), K, N0, _p(c2), N0, 2), "tn_ep")
+                assert _rel(c2, g.double().t() @ a.double()) < 1e-5
+    gw, gb = NL.ts_weight_grad(g, a2, bias=True, keep=keep)
+    assert _rel(gw, torch.ops.aten.threshold_backward(g, keep, 0).double().t() @ a2.double()) < 1e-5
+    with pytest.raises(ValueError, match="keep must have g's shape"):
+        NL.ts_weight_grad(g, a2, keep=keep[:, :1].contiguous())
+    assert torch.equal(NL.ts_linear_sum(a1, w1, a2, w2, b, relu=True), torch.relu(NL.ts_linear_sum(a1, w1, a2, w2, b)))
