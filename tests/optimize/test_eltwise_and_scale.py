@@ -52,6 +52,9 @@ def test_gelu_kernel_special_values_as_torch(approximate):
     for pad in (0, 16):   # the values in the tail, then in the vector body
         x = torch.tensor([0.5] * pad + special)
         want = F.gelu(x, approximate=approximate)
+        # +inf: the limit, inf. torch 2.13's own answer depends on its kernel: inf from its AVX2 path,
+        # NaN from its AVX-512 erf (seen on a Zen 4 for the exact form)
+        want[x == float("inf")] = float("inf")
         for v in runnable():
             got = _gelu(x, v, approximate=approximate)
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-7, equal_nan=True), (v, pad, got, want)
