@@ -267,8 +267,11 @@ RULES: tuple[Rule, ...] = (
          "AVX-512: cpu_opt's fused float32 attention kernel (dpbf16's algorithm on FMA, q/k/v read where they lie, "
          "the output written in the projection's layout): 1x12 heads x 128^2 x 64 0.38 ms vs torch's flash kernel "
          "0.58, x 197^2 (ViT-B/16) 1.04 vs 1.31, causal 128^2 0.33 vs 0.59 (interleaved medians of 60; AMD EPYC Zen 4, "
-         "2 threads, 2026-12-04)",
-         any_of=(native.VARIANT_REQUIRES["avx512"],)),
+         "2 threads, 2026-12-04). From 48 queries: with fewer the call's fixed cost (~60 us) loses to torch's kernel "
+         "(12 heads x 64, q/k/v strided views of the projections, interleaved medians of 61, 2 | 1 threads: 1 query x "
+         "33 keys 88 vs 35 us | 63 vs 21, 1 x 160 109 vs 40 | 140 vs 51, 32 x 128 150 vs 142 | 234 vs 201, 48 x 128 "
+         "171 vs 206 | 281 vs 306, 128 x 128 347 vs 490 | 649 vs 769; the same Zen 4, 2026-12-07)",
+         any_of=(native.VARIANT_REQUIRES["avx512"],), min_rows=48),
     Rule("attention", "fp32", "f32_fused",
          "AVX2: the same kernel on 6 x 16 ymm tiles. Against torch's flash kernel, q/k/v strided views of the "
          "projections, interleaved medians of 61, 2 | 1 threads: 1x12 heads x 128^2 x 64 with a padding mask 0.59 "
@@ -277,7 +280,7 @@ RULES: tuple[Rule, ...] = (
          "GPT-2's 12 attentions 9.7 vs 11.9 ms, ViT-B/16's 21.0 vs 24.3; whole models level within this VM's noise "
          "(paired, GPT-2 1.007, BERT 0.998). From 12 queries: a one-token decoder step (1 query, 33-160 keys) takes "
          "96-142 us here against torch's 25-39 (the call's Python and k's packing cost more than the work)",
-         any_of=(native.VARIANT_REQUIRES["avx2"],), min_rows=12),
+         any_of=(native.VARIANT_REQUIRES["avx2"],), none_of=frozenset({"avx512f"}), min_rows=12),
     Rule("attention", "fp32", "torch_flash",
          "torch's flash kernel avoids materialising the score matrix: 2.0-2.2 ms vs fp32 matmul-softmax-matmul "
          f"2.8-3.2 ms (1x12x256x64, {ZEN3})"),
