@@ -325,7 +325,10 @@ RULES: tuple[Rule, ...] = (
          f"graph, 2 | 1 threads): SAGE-mean 68.8 -> 56.7 | 118.3 -> 106.9 ms, GIN 78.6 -> 66.9 | 139.1 -> 122.1, "
          f"SAGE-max 103.7 -> 87.0, GCN 72.0 -> 68.6 ({XEON_EMR}). On AMD (Zen 4, AVX2 tiles then: 64x64 8.35 / 12.2 "
          "/ 12.7 | 5.24 / 5.45 / 7.59 ms; training 1.10-1.40x faster than with addmm, which is MKL's vendor-picked "
-         f"path there; {ZEN4}); the AVX-512 tiles not yet timed on AMD", any_of=(AVX512,)),
+         f"path there; {ZEN4}). The AVX-512 tiles on AMD (the same Zen 4 type, 2026-12-07, AVX2 tiles / AVX-512 "
+         "tiles, 1 | 2 threads): 64x64 7.9 / 9.8 | 3.9 / 4.7, 64+64x64 19.0 / 21.0 | 9.5 / 10.5, level at K <= 32 "
+         "and for weight gradients: a variant per kernel would gain 10-20% at K = 64 there (Zen 5 not measured)",
+         any_of=(AVX512,)),
     # ---------------------------------------------------------------- aarch64 (no cpu_opt oneDNN binding there)
     *(Rule(w, "fp32", "acl", "Graviton: fp32 GEMM/conv on ACL through torch's oneDNN; bf16 fast-math when asked "
                              "(AWS: up to 3.5x ResNet-50, 1.4x BERT on Graviton3; not measured here)", arch="aarch64")
