@@ -443,11 +443,12 @@ class _NativeLinearSum(torch.autograd.Function):
         ga1 = native_linear.ts_matmul(g, w1) if n[0] else None
         ga2 = native_linear.ts_matmul(g, w2) if n[3] else None
         gw1 = gw2 = gb = None
-        if n[1]:
+        if n[1] and n[4]:  # both weight gradients in one pass over g
+            gw1, gw2, gb = native_linear.ts_weight_grad2(g, a1, a2, bias=need_b, keep=keep)
+        elif n[1]:
             gw1, gb = native_linear.ts_weight_grad(g, a1, bias=need_b, keep=keep)
-        if n[4]:
-            gw2, gb2 = native_linear.ts_weight_grad(g, a2, bias=need_b and gb is None, keep=keep)
-            gb = gb if gb is not None else gb2
+        elif n[4]:
+            gw2, gb = native_linear.ts_weight_grad(g, a2, bias=need_b, keep=keep)
         if need_b and gb is None:
             gb = (g if keep is None else _relu_grad(g, keep)).sum(0)
         return (ga1, gw1, gb if n[2] and ctx.biases[0] else None,

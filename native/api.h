@@ -210,6 +210,9 @@ int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *
  * with A taken as 0 where keep (M x N1, like A; NULL: none) is <= 0: threshold_backward(A, keep, 0). */
 int64_t KFN(ts_gemm_nn2_ep_f32)(const float *a1, int64_t M, int64_t K1, const float *w1, const float *a2, int64_t K2, const float *w2, int64_t N, const float *bias, int relu, float *c, int nthreads);
 int64_t KFN(ts_gemm_tn_ep_f32)(const float *a, int64_t M, int64_t N1, const float *b, int64_t N2, const float *keep, float *c, float *colsum, int nthreads);
+/* ts_gemm_tn2_ep_f32: ts_gemm_tn_ep_f32 for two B operands (B1 M x N2 into C1 N1 x N2, B2 M x N3 into C2
+ * N1 x N3) in one pass over A and keep; colsum as there. */
+int64_t KFN(ts_gemm_tn2_ep_f32)(const float *a, int64_t M, int64_t N1, const float *b1, int64_t N2, const float *b2, int64_t N3, const float *keep, float *c1, float *c2, float *colsum, int nthreads);
 
 /* ---- GEMMs against packed constant weights (native/kernels/sgemm.c) ----
  * sgemm_packed_size: floats of W packed for (N, K) (-1 for N or K < 1). sgemm_pack_f32: W (N x K when

@@ -193,6 +193,36 @@ def ts_weight_grad(g: torch.Tensor, x: torch.Tensor, bias: bool = False, *, keep
     return gw, gb
 
 
+def ts_weight_grad2(g: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, bias: bool = False, *,
+                    keep: torch.Tensor | None = None):
+    """``(g.T @ x1, g.T @ x2, g.sum(0) if bias else None)`` in one pass over the rows of ``g`` (and
+    ``keep``, as in :func:`ts_weight_grad`): the weight gradients of two linear layers whose outputs
+    were summed (SAGEConv's ``lin_l`` and ``lin_r``), ``g`` read and masked once for both."""
+    _ts_check("ts_weight_grad2", ("g", g), ("x1", x1), ("x2", x2))
+    if not g.shape[0] == x1.shape[0] == x2.shape[0]:
+        raise ValueError(f"ts_weight_grad2: g {tuple(g.shape)}, x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} "
+                         f"have different row counts")
+    if keep is not None:
+        _ts_check("ts_weight_grad2", ("keep", keep))
+        if keep.shape != g.shape:
+            raise ValueError(f"ts_weight_grad2: keep must have g's shape {tuple(g.shape)}, got {tuple(keep.shape)}")
+    M, N1 = g.shape
+    N2, N3 = x1.shape[1], x2.shape[1]
+    if not (ts_fits(N1, N2) and ts_fits(N1, N3)):
+        raise ValueError(f"ts_weight_grad2: {N1} x {N2} and {N1} x {N3} outputs must be within [1, {TS_MAX_DIM}]")
+    gw1, gw2 = torch.empty(N1, N2, dtype=torch.float32), torch.empty(N1, N3, dtype=torch.float32)
+    gb = torch.empty(N1, dtype=torch.float32) if bias else None
+    if M == 0:
+        return gw1.zero_(), gw2.zero_(), None if gb is None else gb.zero_()
+    ffi = native.ffi()
+    st = native.kernel("ts_gemm_tn2_ep_f32")(_ptr(g), M, N1, _ptr(x1), N2, _ptr(x2), N3,
+                                             ffi.NULL if keep is None else _ptr(keep), _ptr(gw1), _ptr(gw2),
+                                             ffi.NULL if gb is None else _ptr(gb), torch.get_num_threads())
+    if st:
+        native.check(st, "ts_gemm_tn2_ep_f32", f"{tuple(g.shape)}^T x {tuple(x1.shape)}, {tuple(x2.shape)}")
+    return gw1, gw2, gb
+
+
 # ----------------------------------------------------------------------------- packed GEMMs
 
 @functools.lru_cache(maxsize=None)

@@ -25,6 +25,9 @@
  *                   NaN), torch's threshold_backward(A, keep, 0): the weight gradient of a layer
  *                   followed by a ReLU, from the gradient of the ReLU's output and that output, each
  *                   block of rows masked once in L1 (no pass writing a masked copy of A to memory).
+ *                   ts_gemm_tn2_ep_f32: C1 = A^T B1 and C2 = A^T B2 in one pass over A (and keep):
+ *                   SAGEConv's two weight gradients g^T aggr and g^T x, each block of A masked and
+ *                   summed once for both.
  *                   Rows split across threads, each into a private partial; partials summed after
  *                   a barrier, so the result does not depend on timing (it does on the thread count).
  * All matrices row-major and dense. Sizes are checked before any memory is touched: CO_ERR_BAD_ARGUMENT
@@ -395,60 +398,74 @@ KFN(co_ts_tn_tile)(const int R, const float *a, int64_t lda, const float *b, int
 }
 #endif
 
-/* rows [m0, m1) (at most blk) into the thread's partial. A and B are read where they
- * are (the 6 broadcasts of a tile step are one row of A, its two vectors 16 columns of one row of
- * B): only a last strip of B narrower than 16 columns is copied, zero-padded, into scratch.
+/* rows [m0, m1) (at most blk) into the thread's partials, one per B operand (nb_ops: 1, or 2 for two
+ * weight gradients from the same g: A's block masked and summed once, then each B's tiles). A and B
+ * are read where they are (the 6 broadcasts of a tile step are one row of A, its two vectors 16
+ * columns of one row of B): only a last strip of B narrower than 16 columns is copied, zero-padded,
+ * into scratch (blk x 16 floats per operand; then, with keep, A's masked block).
  * Packing both operands cost a quarter of the arithmetic's time (scalar copies of A's strips). */
-static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int64_t N2, const float *keep,
-                                int64_t m0, int64_t m1, int64_t m_end, int64_t blk, float *part, float *colsum,
-                                float *scratch) {
-    const int64_t ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR, L = m1 - m0;
-    const int64_t na = (N1 + CO_TS_MRV - 1) / CO_TS_MRV, nb = ldp / CO_TS_NR;
-    const int64_t fb = N2 / CO_TS_NR; /* whole strips of B */
-    const float *ab = a + m0 * N1, *bb = b + m0 * N2;
-    if (keep) { /* the block's rows of A masked once into scratch (beyond B's last strip), read from L1 by the tiles */
-        float *am = scratch + (size_t)blk * CO_TS_NR;
+static void KFN(co_ts_tn_block)(const float *a, int64_t N1, int nb_ops, const float *const *bs, const int64_t *n2s,
+                                const float *keep, int64_t m0, int64_t m1, int64_t m_end, int64_t blk,
+                                float *const *parts, float *colsum, float *scratch) {
+    const int64_t L = m1 - m0, na = (N1 + CO_TS_MRV - 1) / CO_TS_MRV;
+    const float *ab = a + m0 * N1;
+    if (keep) { /* the block's rows of A masked once into scratch, read from L1 by the tiles */
+        float *am = scratch + 2 * (size_t)blk * CO_TS_NR;
         KFN(co_ts_keep)(ab, keep + m0 * N1, L * N1, am);
         ab = am;
     }
-    if (fb < nb)
-        for (int64_t m = 0; m < L; ++m) {
-            float *d = scratch + m * CO_TS_NR;
-            const float *s = bb + m * N2 + fb * CO_TS_NR;
-            for (int64_t j = 0; j < CO_TS_NR; ++j) d[j] = fb * CO_TS_NR + j < N2 ? s[j] : 0.f;
-        }
     if (colsum)
         for (int64_t m = 0; m < L; ++m) {
             const float *am = ab + m * N1;
             for (int64_t i = 0; i < N1; ++i) colsum[i] += am[i];
         }
-    /* the next block's rows of A and B (contiguous byte ranges), prefetched into L2 a slice per
-     * tile, so that reading them does not wait on memory while the arithmetic here does not use it */
-    const int64_t mn = m1 + blk < m_end ? m1 + blk : m_end;
-    const char *pfa = (const char *)(a + m1 * N1), *pfb = (const char *)(b + m1 * N2);
-    const char *pfk = keep ? (const char *)(keep + m1 * N1) : NULL;
-    const int64_t la = m1 < mn ? ((mn - m1) * N1 * 4 + 63) / 64 : 0, lb = m1 < mn ? ((mn - m1) * N2 * 4 + 63) / 64 : 0;
-    const int64_t lk = keep ? la : 0; /* keep's rows like A's */
-    const int64_t per_tile = (la + lb + lk + na * nb - 1) / (na * nb);
-    int64_t next = 0;
-    for (int64_t jb = 0; jb < nb; ++jb) {
-        const float *bp = jb < fb ? bb + jb * CO_TS_NR : scratch;
-        const int64_t ldb = jb < fb ? N2 : CO_TS_NR;
-        for (int64_t ia = 0; ia < na; ++ia) {
-            const int64_t R = N1 - ia * CO_TS_MRV < CO_TS_MRV ? N1 - ia * CO_TS_MRV : CO_TS_MRV;
-            for (int64_t q = 0; q < per_tile && next < la + lb + lk; ++q, ++next)
-                __builtin_prefetch(next < la ? pfa + next * 64 : next < la + lb ? pfb + (next - la) * 64
-                                                                                : pfk + (next - la - lb) * 64, 0, 2);
-            const float *ap = ab + ia * CO_TS_MRV;
-            float *pt = part + ia * CO_TS_MRV * ldp + jb * CO_TS_NR;
-            switch (R) {
+    /* the next block's rows of A, keep and each B (contiguous byte ranges), prefetched into L2 a slice
+     * per tile, so that reading them does not wait on memory while the arithmetic here does not use it */
+    const int64_t mn = m1 + blk < m_end ? m1 + blk : m_end, rows = m1 < mn ? mn - m1 : 0;
+    const char *pf[4];
+    int64_t lines[4], total = 0, tiles = 0;
+    int npf = 0;
+    pf[npf] = (const char *)(a + m1 * N1), lines[npf++] = (rows * N1 * 4 + 63) / 64;
+    if (keep) pf[npf] = (const char *)(keep + m1 * N1), lines[npf++] = (rows * N1 * 4 + 63) / 64;
+    for (int u = 0; u < nb_ops; ++u) {
+        pf[npf] = (const char *)(bs[u] + m1 * n2s[u]), lines[npf++] = (rows * n2s[u] * 4 + 63) / 64;
+        tiles += na * ((n2s[u] + CO_TS_NR - 1) / CO_TS_NR);
+    }
+    for (int q = 0; q < npf; ++q) total += lines[q];
+    const int64_t per_tile = (total + tiles - 1) / tiles;
+    int cur = 0;
+    int64_t off = 0;
+    for (int u = 0; u < nb_ops; ++u) {
+        const int64_t N2 = n2s[u], ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR, nb = ldp / CO_TS_NR;
+        const int64_t fb = N2 / CO_TS_NR; /* whole strips of B */
+        const float *bb = bs[u] + m0 * N2;
+        float *strip = scratch + (size_t)u * (size_t)blk * CO_TS_NR;
+        if (fb < nb)
+            for (int64_t m = 0; m < L; ++m) {
+                float *d = strip + m * CO_TS_NR;
+                const float *sr = bb + m * N2 + fb * CO_TS_NR;
+                for (int64_t j = 0; j < CO_TS_NR; ++j) d[j] = fb * CO_TS_NR + j < N2 ? sr[j] : 0.f;
+            }
+        for (int64_t jb = 0; jb < nb; ++jb) {
+            const float *bp = jb < fb ? bb + jb * CO_TS_NR : strip;
+            const int64_t ldb = jb < fb ? N2 : CO_TS_NR;
+            for (int64_t ia = 0; ia < na; ++ia) {
+                const int64_t R = N1 - ia * CO_TS_MRV < CO_TS_MRV ? N1 - ia * CO_TS_MRV : CO_TS_MRV;
+                for (int64_t q = 0; q < per_tile && cur < npf; ++q) {
+                    while (cur < npf && off >= lines[cur]) ++cur, off = 0;
+                    if (cur < npf) __builtin_prefetch(pf[cur] + 64 * off++, 0, 2);
+                }
+                const float *ap = ab + ia * CO_TS_MRV;
+                float *pt = parts[u] + ia * CO_TS_MRV * ldp + jb * CO_TS_NR;
+                switch (R) {
 #define CO_TS_T(n) case n: KFN(co_ts_tn_tile)(n, ap, N1, bp, ldb, L, pt, ldp); break;
 #if CO_TS_MRV == 12
-            CO_TS_T(12) CO_TS_T(11) CO_TS_T(10) CO_TS_T(9) CO_TS_T(8) CO_TS_T(7)
+                CO_TS_T(12) CO_TS_T(11) CO_TS_T(10) CO_TS_T(9) CO_TS_T(8) CO_TS_T(7)
 #endif
-            CO_TS_T(6) CO_TS_T(5) CO_TS_T(4) CO_TS_T(3) CO_TS_T(2)
+                CO_TS_T(6) CO_TS_T(5) CO_TS_T(4) CO_TS_T(3) CO_TS_T(2)
 #undef CO_TS_T
-            default: KFN(co_ts_tn_tile)(1, ap, N1, bp, ldb, L, pt, ldp); break;
+                default: KFN(co_ts_tn_tile)(1, ap, N1, bp, ldb, L, pt, ldp); break;
+                }
             }
         }
     }
@@ -476,18 +493,20 @@ static void KFN(co_ts_rows)(int64_t R, const float *a, int64_t K, const float *b
         }
 }
 
-static void KFN(co_ts_tn_block)(const float *a, int64_t N1, const float *b, int64_t N2, const float *keep,
-                                int64_t m0, int64_t m1, int64_t m_end, int64_t blk, float *part, float *colsum,
-                                float *scratch) {
-    const int64_t ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR;
+static void KFN(co_ts_tn_block)(const float *a, int64_t N1, int nb_ops, const float *const *bs, const int64_t *n2s,
+                                const float *keep, int64_t m0, int64_t m1, int64_t m_end, int64_t blk,
+                                float *const *parts, float *colsum, float *scratch) {
     (void)scratch;
     (void)m_end;
     (void)blk;
     for (int64_t m = m0; m < m1; ++m)
         for (int64_t i = 0; i < N1; ++i) {
             const float ai = keep && keep[m * N1 + i] <= 0.f ? 0.f : a[m * N1 + i];
-            float *pr = part + i * ldp;
-            for (int64_t j = 0; j < N2; ++j) pr[j] += ai * b[m * N2 + j];
+            for (int u = 0; u < nb_ops; ++u) {
+                const int64_t N2 = n2s[u], ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR;
+                float *pr = parts[u] + i * ldp;
+                for (int64_t j = 0; j < N2; ++j) pr[j] += ai * bs[u][m * N2 + j];
+            }
             if (colsum) colsum[i] += ai;
         }
 }
@@ -576,21 +595,26 @@ int64_t KFN(ts_gemm_nn2_f32)(const float *a1, int64_t M, int64_t K1, const float
     return KFN(ts_gemm_nn2_ep_f32)(a1, M, K1, w1, a2, K2, w2, N, bias, 0, c, nthreads);
 }
 
-int64_t KFN(ts_gemm_tn_ep_f32)(const float *a, int64_t M, int64_t N1, const float *b, int64_t N2, const float *keep,
-                               float *c, float *colsum, int nthreads) {
-    if (M < 0 || N1 < 1 || N1 > CO_TS_MAX_DIM || N2 < 1 || N2 > CO_TS_MAX_DIM || nthreads < 1)
-        return CO_ERR_BAD_ARGUMENT;
-    if (!a || !b || !c) return CO_ERR_BAD_ARGUMENT;
-    const int64_t ldp = (N2 + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR;
-    const int64_t want = (M * N1 * N2 + (1 << 21) - 1) >> 21;
+/* C_u = A'^T B_u for nb_ops (1 or 2) operands B_u (M x n2s[u]), A' = A where keep > 0 or NaN (keep
+ * NULL: A), colsum = A's column sums: the body of the weight-gradient entry points */
+static int64_t KFN(co_ts_tn)(const float *a, int64_t M, int64_t N1, int nb_ops, const float *const *bs,
+                             const int64_t *n2s, const float *keep, float *const *cs, float *colsum, int nthreads) {
+    if (M < 0 || N1 < 1 || N1 > CO_TS_MAX_DIM || nthreads < 1 || !a) return CO_ERR_BAD_ARGUMENT;
+    int64_t ldps[2], nsum = 0, psz = N1; /* each padded partial, then the partial column sums */
+    for (int u = 0; u < nb_ops; ++u) {
+        if (n2s[u] < 1 || n2s[u] > CO_TS_MAX_DIM || !bs[u] || !cs[u]) return CO_ERR_BAD_ARGUMENT;
+        ldps[u] = (n2s[u] + CO_TS_NR - 1) / CO_TS_NR * CO_TS_NR;
+        psz += N1 * ldps[u];
+        nsum += n2s[u];
+    }
+    const int64_t want = (M * N1 * nsum + (1 << 21) - 1) >> 21;
     int nt = want < nthreads ? (int)want : nthreads;
     if (nt < 1) nt = 1;
-    const size_t psz = (size_t)(N1 * ldp + N1); /* the padded partial, then the partial column sums */
-    /* per thread: a block's last strip of B when N2 is not a multiple of 16, zero-padded (64-byte aligned) */
-    const int64_t blk = KFN(co_ts_tn_rows)(N1, N2);
-    /* ... then, with keep, the block's rows of A masked (co_ts_tn_block) */
-    const size_t ssz = (size_t)CO_TS_TN_BLOCK * CO_TS_NR + (keep ? (size_t)blk * (size_t)N1 : 0);
-    float *part = (float *)calloc((size_t)nt * psz, sizeof(float));
+    const int64_t blk = KFN(co_ts_tn_rows)(N1, nsum);
+    /* per thread: each operand's last strip of B when narrower than 16 columns, zero-padded (64-byte
+     * aligned), then, with keep, the block's rows of A masked (co_ts_tn_block) */
+    const size_t ssz = 2 * (size_t)CO_TS_TN_BLOCK * CO_TS_NR + (keep ? (size_t)blk * (size_t)N1 : 0);
+    float *part = (float *)calloc((size_t)nt * (size_t)psz, sizeof(float));
     float *scratch = (float *)aligned_alloc(64, (size_t)nt * ssz * sizeof(float));
     if (!part || !scratch) {
         free(part);
@@ -602,24 +626,31 @@ int64_t KFN(ts_gemm_tn_ep_f32)(const float *a, int64_t M, int64_t N1, const floa
         const int t = nt > 1 ? omp_get_thread_num() : 0;
         const int n_t = nt > 1 ? omp_get_num_threads() : 1;
         const int64_t m0 = M * t / n_t, m1 = M * (t + 1) / n_t;
-        float *pt = part + (size_t)t * psz;
+        float *pt = part + (size_t)t * (size_t)psz;
+        float *parts[2] = {pt, nb_ops > 1 ? pt + N1 * ldps[0] : NULL};
+        float *ps = pt + psz - N1;
         for (int64_t m = m0; m < m1; m += blk) {
             const int64_t me = m1 - m < blk ? m1 : m + blk;
-            KFN(co_ts_tn_block)(a, N1, b, N2, keep, m, me, m1, blk, pt, colsum ? pt + N1 * ldp : NULL, scratch + (size_t)t * ssz);
+            KFN(co_ts_tn_block)(a, N1, nb_ops, bs, n2s, keep, m, me, m1, blk, parts, colsum ? ps : NULL,
+                                scratch + (size_t)t * ssz);
         }
 #pragma omp barrier
         /* each thread sums its share of the output rows over the partials */
         const int64_t i0 = N1 * t / n_t, i1 = N1 * (t + 1) / n_t;
         for (int64_t i = i0; i < i1; ++i) {
-            float *ci = c + i * N2;
-            for (int64_t j = 0; j < N2; ++j) {
-                float s = 0.f;
-                for (int u = 0; u < n_t; ++u) s += part[(size_t)u * psz + i * ldp + j];
-                ci[j] = s;
+            int64_t base = 0;
+            for (int u = 0; u < nb_ops; ++u) {
+                float *ci = cs[u] + i * n2s[u];
+                for (int64_t j = 0; j < n2s[u]; ++j) {
+                    float s = 0.f;
+                    for (int w = 0; w < n_t; ++w) s += part[(size_t)w * (size_t)psz + base + i * ldps[u] + j];
+                    ci[j] = s;
+                }
+                base += N1 * ldps[u];
             }
             if (colsum) {
                 float s = 0.f;
-                for (int u = 0; u < n_t; ++u) s += part[(size_t)u * psz + N1 * ldp + i];
+                for (int w = 0; w < n_t; ++w) s += part[(size_t)w * (size_t)psz + psz - N1 + i];
                 colsum[i] = s;
             }
         }
@@ -627,6 +658,22 @@ int64_t KFN(ts_gemm_tn_ep_f32)(const float *a, int64_t M, int64_t N1, const floa
     free(part);
     free(scratch);
     return CO_OK;
+}
+
+int64_t KFN(ts_gemm_tn_ep_f32)(const float *a, int64_t M, int64_t N1, const float *b, int64_t N2, const float *keep,
+                               float *c, float *colsum, int nthreads) {
+    const float *bs[1] = {b};
+    const int64_t n2s[1] = {N2};
+    float *cs[1] = {c};
+    return KFN(co_ts_tn)(a, M, N1, 1, bs, n2s, keep, cs, colsum, nthreads);
+}
+
+int64_t KFN(ts_gemm_tn2_ep_f32)(const float *a, int64_t M, int64_t N1, const float *b1, int64_t N2, const float *b2,
+                                int64_t N3, const float *keep, float *c1, float *c2, float *colsum, int nthreads) {
+    const float *bs[2] = {b1, b2};
+    const int64_t n2s[2] = {N2, N3};
+    float *cs[2] = {c1, c2};
+    return KFN(co_ts_tn)(a, M, N1, 2, bs, n2s, keep, cs, colsum, nthreads);
 }
 
 int64_t KFN(ts_gemm_tn_f32)(const float *a, int64_t M, int64_t N1, const float *b, int64_t N2, float *c,

@@ -507,3 +507,38 @@ def test_relu_epilogue_of_the_linear_sum_and_keep_mask_of_the_weight_gradient_ma
     with pytest.raises(ValueError, match="keep must have g's shape"):
         NL.ts_weight_grad(g, a2, keep=keep[:, :1].contiguous())
     assert torch.equal(NL.ts_linear_sum(a1, w1, a2, w2, b, relu=True), torch.relu(NL.ts_linear_sum(a1, w1, a2, w2, b)))
+
+
+def test_two_weight_gradients_in_one_pass_match_two_calls():
+    """ts_gemm_tn2_ep_f32 (SAGEConv's g^T aggr and g^T x from one pass over g, masked or not) against
+    float64 and against ts_gemm_tn_ep_f32 called twice, on every variant; bad sizes and NULL operands
+    are refused before anything is written."""
+    gen = torch.Generator().manual_seed(13)
+    N0 = native.ffi().NULL
+    for M, N1, N2, N3 in [(1, 1, 1, 1), (37, 64, 64, 64), (40001, 64, 64, 64), (777, 13, 7, 33), (130, 20, 100, 5),
+                          (5000, 8, 64, 64)]:
+        g, x1, x2 = torch.randn(M, N1, generator=gen), torch.randn(M, N2, generator=gen), torch.randn(M, N3, generator=gen)
+        keep = torch.randn(M, N1, generator=gen)
+        keep[::5, ::2] = float("nan")
+        for v in runnable():
+            for k in (None, keep):
+                c1, c2, s = torch.full((N1, N2), float("nan")), torch.full((N1, N3), float("nan")), torch.full((N1,), float("nan"))
+                st = native.kernel("ts_gemm_tn2_ep_f32", v)(_p(g), M, N1, _p(x1), N2, _p(x2), N3,
+                                                            N0 if k is None else _p(k), _p(c1), _p(c2), _p(s), 2)
+                native.check(st, "tn2_ep")
+                gm = g if k is None else torch.ops.aten.threshold_backward(g, k, 0)
+                assert _rel(c1, gm.double().t() @ x1.double()) < 1e-5, (v, M, N1, N2, N3)
+                assert _rel(c2, gm.double().t() @ x2.double()) < 1e-5, (v, M, N1, N2, N3)
+                assert _rel(s, gm.double().sum(0)) < 1e-5
+    w1, w2, b = NL.ts_weight_grad2(g, x1, x2, bias=True, keep=keep)
+    r1, rb = NL.ts_weight_grad(g, x1, bias=True, keep=keep)
+    r2, _ = NL.ts_weight_grad(g, x2, keep=keep)
+    assert _rel(w1, r1.double()) < 1e-6 and _rel(w2, r2.double()) < 1e-6 and _rel(b, rb.double()) < 1e-6
+    k = native.kernel("ts_gemm_tn2_ep_f32")
+    a, c = torch.randn(4, 3), torch.zeros(3, 3)
+    for args in [(_p(a), 4, 3, _p(a), 3, N0, 3, N0, _p(c), _p(c), N0, 1), (_p(a), 4, 3, _p(a), 3, _p(a), 0, N0, _p(c), _p(c), N0, 1),
+                 (_p(a), 4, 3, _p(a), 3, _p(a), 3, N0, _p(c), N0, N0, 1), (_p(a), 4, 3, _p(a), 1025, _p(a), 3, N0, _p(c), _p(c), N0, 1)]:
+        assert k(*args) == -2, args
+    assert torch.equal(c, torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="different row counts"):
+        NL.ts_weight_grad2(g, x1, x2[:-1].contiguous())
