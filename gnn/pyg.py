@@ -1153,6 +1153,25 @@ def _is_relu(node, modules: dict) -> bool:
     return False
 
 
+def _bound(gm) -> list:
+    """``[(attribute path, object)]`` for every module and attribute a traced graph reads from its root."""
+    if gm is None:
+        return []
+    return [(n.target, _attr(gm, n.target)) for n in gm.graph.nodes if n.op in ("call_module", "get_attr")]
+
+
+def _attr(root, path: str):
+    for name in path.split("."):
+        root = getattr(root, name, None)
+    return root
+
+
+def _still_bound(model, gm, bound: list) -> bool:
+    """Whether ``model`` still holds the very modules and attributes its traced graph calls (a
+    submodule replaced after the trace makes the graph stale: it is traced again)."""
+    return all(_attr(model, path) is obj for path, obj in bound)
+
+
 def _mentions_relu(model: torch.nn.Module) -> bool:
     """Whether ``model`` may apply a ReLU (an ``nn.ReLU`` child, or "relu" in its forward's source;
     True where the source cannot be read): models without one are not traced at all."""
@@ -1467,15 +1486,15 @@ class OptimizedGNN(torch.nn.Module):
         except TypeError:
             return None
         with self._cache_lock:
-            if key in self._relu_graphs:
-                return self._relu_graphs[key]
+            if key in self._relu_graphs and _still_bound(self.model, *self._relu_graphs[key]):
+                return self._relu_graphs[key][0]
         with self._trace_lock:  # one trace at a time (tracing runs the forward's Python once)
             with self._cache_lock:
-                if key in self._relu_graphs:
-                    return self._relu_graphs[key]
+                if key in self._relu_graphs and _still_bound(self.model, *self._relu_graphs[key]):
+                    return self._relu_graphs[key][0]
             gm, fused, why = relu_fusion_graph(self.model, self._relu_takers, fixed)
         with self._cache_lock:
-            self._relu_graphs[key] = gm
+            self._relu_graphs[key] = (gm, _bound(gm))
             if gm is not None:
                 self._notes["ReLU right after a layer: applied in the layer's output pass, its gradient in the "
                             "weight-gradient GEMM (torch.fx rewrite of the model's forward)"] = fused

@@ -245,3 +245,14 @@ def test_fused_relu_functions_match_torch_in_gradients_and_double_backward(name,
             assert a is None or not a.any()
         else:
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-2)
+
+
+def test_a_layer_replaced_after_the_first_call_is_the_one_that_runs(graph):
+    x, _ = node_task(N, 16, 4, graph, seed=10)
+    torch.manual_seed(7)
+    model = Net("sage_max")
+    fast = gnn.optimize(model)
+    with torch.no_grad():
+        fast(x, graph)
+        model.c2 = SAGEConv(24, 4, aggr="max")  # a new layer (runs PyG's own forward: not in the plan)
+        torch.testing.assert_close(fast(x, graph), model(x, graph), rtol=1e-4, atol=1e-5)
