@@ -166,6 +166,13 @@ int64_t KFN(gelu_tanh_f32)(const float *x, float *y, int64_t n, int nthreads);
  * nthreads < 1, a NULL x, or both outputs NULL. */
 int64_t KFN(layer_norm_u8_f32)(const float *x, int64_t rows, int64_t cols, int64_t x_stride, const float *gamma, const float *beta, double eps, float *y, uint8_t *q, float inv_scale, int32_t zero_point, int32_t qmax, int nthreads);
 
+/* ---- int8 linear layers on AMX tiles (native/kernels/amx_qlinear.c) ----
+ * amx_qlinear_u8s8: y = post(scale * (x @ w^T) + bias (+ residual)), x uint8 (M x K, row stride ldx), w int8
+ * packed in 16-column panels over K padded to a multiple of 64 (see the kernel file); res_kind 0 none, 1 f32,
+ * 2 u8 (res_scale, res_zp), 3 s8 (res_scale); post 0 none, 1 relu, 2 gelu erf, 3 gelu tanh, 4 silu, 5 hardswish; out_kind 0 f32,
+ * 1 bf16, 2 u8 (out_scale, out_zp). CO_ERR_UNSUPPORTED_AMX (-6) without AMX-INT8. */
+int64_t KFN(amx_qlinear_u8s8)(const uint8_t *x, int64_t x_len, int64_t M, int64_t K, int64_t ldx, const int8_t *wp, int64_t wp_len, int64_t N, const float *scale, const float *bias, const void *residual, int64_t res_len, int64_t ldr, int res_kind, float res_scale, int32_t res_zp, int post, void *out, int64_t out_len, int64_t ldo, int out_kind, float out_scale, int32_t out_zp, int nthreads);
+
 /* ---- fused bf16 attention on AMX tiles (native/kernels/amx_attention.c) ----
  * amx_attention_bf16: out (float32) = softmax(scale q k^T + mask) v over B x H heads, bf16 q / k / v;
  * every operand 4-D with strides s[0..2] (elements) and a dense last dimension, mask NULL or float32

@@ -159,10 +159,13 @@ def _time(fn, x, repeats=7):
     return statistics.median(ts)
 
 
-def choose_family(kind: str, rows: int, macs: int, conv=None) -> tuple[str, str]:
+def choose_family(kind: str, rows: int, macs: int, conv=None, in_features: int = 0,
+                  post_op: str | None = None) -> tuple[str, str]:
     """The int8 kernel family for a layer: ``cpu_opt.routing`` (table or this machine's measured
     profile) for ``linear``/``conv`` int8 at this row count. ``conv`` (weight shape, groups,
-    dilation) keeps depthwise convolutions off FBGEMM where its kernel would saturate."""
+    dilation) keeps depthwise convolutions off FBGEMM where its kernel would saturate; a linear
+    layer goes to cpu_opt's AMX kernel only where it takes ``in_features`` and ``post_op``."""
+    from cpu_opt.backends.amx_linear import supports as amx_takes
     from cpu_opt.backends.fbgemm import depthwise_saturates
     from cpu_opt.platform import routing
 
@@ -172,6 +175,9 @@ def choose_family(kind: str, rows: int, macs: int, conv=None) -> tuple[str, str]
         fam = "fbgemm"
     if conv is not None and K.CONV_KERNELS.get(fam) is K.FbgemmConv2d and depthwise_saturates(*conv):
         fam, why = "torch_onednn", f"FBGEMM's depthwise kernel saturates with 8-bit activations; {why}"
+    if fam == "amx" and (kind != "linear" or not amx_takes(in_features, post_op)):
+        fam, why = "onednn", f"cpu_opt's AMX kernel takes no layer of input width {in_features} with " \
+                             f"post-op {post_op} here; {why}"
     if fam == "onednn":
         try:
             from cpu_opt.dnnl import probe
@@ -226,7 +232,7 @@ def convert(prepared: nn.Module, *, autotune: bool = False, inplace: bool = Fals
                 raise ValueError(f"{name}: family must be one of {_candidates(obs.kind)}, got {fam!r}")
         else:
             fam, why = choose_family(obs.kind, rows, macs, conv=(tuple(w.shape), obs.layer.groups, obs.layer.dilation)
-                                     if obs.kind == "conv2d" else None)
+                                     if obs.kind == "conv2d" else None, in_features=w.shape[-1])
         if autotune and obs.kind and getattr(obs, "last_shape", None) is not None:
             x = _sample_input(obs)
             t = {}

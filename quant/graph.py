@@ -375,13 +375,13 @@ def quantize_graph(gm: torch.fx.GraphModule, model: torch.nn.Module, state: Int8
         rows = vx.numel() // vx.shape[-1] if L.kind == "linear" else vx.shape[0]
         macs = rows * L.w.numel() if L.kind == "linear" else \
             vx.shape[0] * vx.shape[2] * vx.shape[3] * L.w.numel() // max(1, _first(L.conv["stride"]) ** 2)
+        post = _act(L.act) if L.act is not None else None
         fam, why = choose_family(L.kind, rows, macs, conv=(tuple(L.w.shape), L.conv["groups"], L.conv["dilation"])
-                                 if L.kind == "conv2d" else None)
+                                 if L.kind == "conv2d" else None, in_features=L.w.shape[-1], post_op=post)
         w = L.w.detach().float()
         if L.key in smooth:
             w = w * smooth[L.key][None, :]
         wq, ws = _weight_qparams(L.qconfig, w)
-        post = _act(L.act) if L.act is not None else None
 
         def build(fam):
             kw = dict(post_op=post, out_qparams=out_qp)
@@ -546,28 +546,29 @@ def fuse_norm_quantize(gm: torch.fx.GraphModule, report: list[dict]) -> int:
 
 
 def _merge_parallel_linears(gm: torch.fx.GraphModule, report: list[dict]) -> int:
-    """Linear layers on cpu_opt's oneDNN that read the same input with the same input scale, the same
+    """Linear layers on cpu_opt's oneDNN (or all on its AMX kernel) that read the same input with the same input scale, the same
     activation, no residual and float32 outputs (a transformer's query, key and value projections)
     become one GEMM over their concatenated weights, each layer's output a slice of its result: the
     input is quantized once and one call replaces three (BERT-base int8: 36 calls of 128x768x768 ->
     12 of 128x768x2304). Per-channel weight scales concatenate as they are. Returns the groups made."""
+    from cpu_opt.backends.amx_linear import AmxLinear
     from cpu_opt.backends.onednn_primitives import DnnlLinear
 
     groups: dict = {}
     for n in gm.graph.nodes:
         k = n.target
-        if n.op == "call_function" and type(k) is DnnlLinear and len(n.args) == 1 and not n.kwargs \
+        if n.op == "call_function" and type(k) in (DnnlLinear, AmxLinear) and len(n.args) == 1 and not n.kwargs \
                 and k.out_qparams is None and isinstance(fx.node_value(n), torch.Tensor):
-            key = (n.args[0], k.x_scale, k.x_zp, k.post_op, k.wq_t.shape[0], k.bias is None)
+            key = (n.args[0], type(k), k.x_scale, k.x_zp, k.post_op, k.wq_t.shape[0], k.bias is None)
             groups.setdefault(key, []).append(n)
     rows = {r["node"]: r for r in report}
     made = 0
-    for (x, xs, xz, post, _k, _nob), nodes in groups.items():
+    for (x, cls, xs, xz, post, _k, _nob), nodes in groups.items():
         if len(nodes) < 2:
             continue
         ks = [n.target for n in nodes]
         bias = None if ks[0].bias is None else torch.cat([k.bias for k in ks])
-        kernel = DnnlLinear(torch.cat([k.wq_t.t() for k in ks]), torch.cat([k.w_scales for k in ks]), bias,
+        kernel = cls(torch.cat([k.wq_t.t() for k in ks]), torch.cat([k.w_scales for k in ks]), bias,
                             (xs, xz), post_op=post)
         kernel.__name__ = f"int8_linear_{next(_kernel_ids)}"
         kernel.own_out_qparams = ks[0].own_out_qparams

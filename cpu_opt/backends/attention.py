@@ -186,6 +186,7 @@ def _fused_attention(fn, q, k, v, attn_mask, dropout_p, is_causal, scale, enable
 # the ISA features each fused attention kernel needs beyond its variant (the bf16 ones run in avx512 only:
 # every CPU with AMX or AVX512_BF16 has AVX-512)
 _KERNEL_NEEDS = {"amx_attention_bf16": frozenset({"amx_bf16", "amx_tile"}),
+                 "amx_qlinear_u8s8": frozenset({"amx_int8", "amx_tile"}),   # amx_linear.py's int8 GEMM
                  "dpbf16_attention": frozenset({"avx512_bf16"}),
                  "f32_attention": frozenset()}   # the variant alone
 # the variants each kernel is built for (default: avx512 only); f32_attention also has AVX2 tiles

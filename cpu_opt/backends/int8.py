@@ -17,7 +17,8 @@ Families (names are the routing table's backends, :data:`FAMILIES`):
 
 ``fbgemm``        torch's FBGEMM ops (``quantized::linear*``, ``quantized::conv2d*``)
 ``torch_onednn``  torch's oneDNN 3.12 (``onednn::qlinear_pointwise``, ``onednn::qconv2d_pointwise``)
-``onednn``        cpu_opt's own oneDNN 3.2 binding (``cpu_opt.dnnl.primitives.Matmul``, linear only)
+``onednn``        cpu_opt's own oneDNN 3.2 binding (``cpu_opt.dnnl.primitives.Matmul``, ``Conv2d``)
+``amx``           cpu_opt's own int8 GEMM on AMX tiles (``native/kernels/amx_qlinear.c``, linear only)
 
 Guards against the pitfalls in ``shared/KNOWN.md`` ("int8 in torch 2.13.0"): weights are always
 prepacked by the kernel that uses them (an unpacked weight segfaults ``qlinear_pointwise``), packed
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 
 
 POST_OPS = ("relu", "gelu_erf", "gelu_tanh", "silu", "hardswish")
-FAMILIES = ("fbgemm", "torch_onednn", "onednn")
+FAMILIES = ("fbgemm", "torch_onednn", "onednn", "amx")
 
 _TORCH_POST = {
     None: None,

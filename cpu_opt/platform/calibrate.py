@@ -249,9 +249,18 @@ def _linear_int8(dims) -> Built:
         qx = torch._make_per_tensor_quantized_tensor(x, xs, xz)
         return lambda: torch.ops.quantized.linear(qx, packed, out_scale, 128)
 
+    def amx():
+        from ..backends.amx_linear import AmxLinear, kernel
+
+        if kernel() is None:
+            raise RuntimeError("no AMX-INT8 tiles here")
+        lin = AmxLinear(w, ws, None, (xs, xz))
+        return lambda: lin(x)
+
     _admit(out, "onednn", ours, check)
     _admit(out, "torch_onednn", theirs, check)
     _admit(out, "fbgemm", fbgemm, _step_check(ref, out_scale))
+    _admit(out, "amx", amx, check)
     return out
 
 

@@ -34,6 +34,7 @@ from quant_testutil import (REDUCE_RANGE, KernelCalls, buildable_families, call,
 import cpu_opt  # noqa: E402
 from cpu_opt import quant  # noqa: E402
 from cpu_opt.models import ZOO  # noqa: E402
+from cpu_opt.backends.amx_linear import kernel as amx_kernel  # noqa: E402
 from cpu_opt.quant import kernels as K  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning")
@@ -42,7 +43,7 @@ MIN_COSINE = 0.99
 SQNR_FLOOR_DB = 22.0
 CNN_SQNR_FLOOR_DB = 17.0
 MIN_TOP1_AGREEMENT = 0.98
-FAMILIES = ("fbgemm", "torch_onednn", "onednn")
+FAMILIES = ("fbgemm", "torch_onednn", "onednn", "amx")
 N_CALIB = 4
 
 
@@ -543,7 +544,7 @@ def test_optimize_int8_fuses_hardswish_and_chains_uint8(family, monkeypatch):
     # forced to FBGEMM, it stays on torch's oneDNN, and its uint8 still chains across the families
     dw_family = "torch_onednn" if family == "fbgemm" and depthwise_saturates((16, 1, 3, 3), 16, (1, 1)) else family
 
-    def forced(kind, rows, macs, conv=None):
+    def forced(kind, rows, macs, conv=None, **_):
         if kind != "conv2d":
             return "fbgemm", "forced"
         return (dw_family if conv is not None and depthwise_saturates(*conv) else family), "forced"
@@ -794,7 +795,7 @@ def test_optimize_int8_on_each_family(monkeypatch):
     for i, lin in enumerate(families["linear"]):
         conv = families["conv2d"][i % len(families["conv2d"])]
         monkeypatch.setattr(api, "choose_family",
-                            lambda kind, rows, macs, conv=None, lin=lin, conv_fam=conv:
+                            lambda kind, rows, macs, conv=None, lin=lin, conv_fam=conv, **_:
                             (lin if kind == "linear" else conv_fam, "forced"))
         for model, calib, x in ((mlp, mlp_calib, xm), (blk, blk_calib, xb)):
             opt = cpu_opt.optimize(model, (x,), dtype="int8", calibration_data=calib,
@@ -925,7 +926,7 @@ def test_int8_convolutions_run_as_a_bound_chain_of_primitives(monkeypatch):
 
     onednn = "onednn" in buildable_families("conv2d")
     if onednn:
-        monkeypatch.setattr(api, "choose_family", lambda kind, rows, macs, conv=None: ("onednn", "forced"))
+        monkeypatch.setattr(api, "choose_family", lambda kind, rows, macs, conv=None, **_: ("onednn", "forced"))
     torch.manual_seed(0)
     m = _ChainNet().eval()
     calib = [(torch.randn(2, 3, 32, 32, generator=gen(950 + i)),) for i in range(N_CALIB)]
@@ -1041,19 +1042,26 @@ class _QKV(nn.Module):
         return self.o(a) + x
 
 
-def test_parallel_projections_run_as_one_gemm(monkeypatch):
-    """q, k and v (same input, same scale, fp32 outputs) on cpu_opt's oneDNN become one GEMM over their
-    concatenated weights: one kernel call for the three, and the same numbers as three separate
-    calls (per-channel scales concatenate; the input is quantized once either way)."""
+# the families whose linear layers merge parallel projections and write bf16 themselves: cpu_opt's oneDNN,
+# and its AMX kernel where this CPU has AMX-INT8 (elsewhere that kernel cannot run)
+MERGING_FAMILIES = ["onednn"] + (["amx"] if amx_kernel() is not None else [])
+
+
+@pytest.mark.parametrize("family", MERGING_FAMILIES)
+def test_parallel_projections_run_as_one_gemm(monkeypatch, family):
+    """q, k and v (same input, same scale, fp32 outputs) on cpu_opt's oneDNN (or its AMX kernel) become
+    one GEMM over their concatenated weights: one kernel call for the three, and the same numbers as
+    three separate calls (per-channel scales concatenate; the input is quantized once either way)."""
     from cpu_opt.quant import api, graph as qgraph
 
     torch.manual_seed(0)
     m = _QKV().eval()
     calib = [(torch.randn(2, 16, 64, generator=gen(700 + i)),) for i in range(N_CALIB)]
     x = torch.randn(2, 16, 64, generator=gen(7))
-    monkeypatch.setattr(api, "choose_family", lambda kind, rows, macs, conv=None: ("onednn", "forced"))
+    monkeypatch.setattr(api, "choose_family", lambda kind, rows, macs, conv=None, **_: (family, "forced"))
     merged = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping())
     rows = {r["layer"]: r for r in merged.report()["int8"]}
+    assert {r["family"] for r in rows.values()} == {family}
     groups = {r["merged_gemm"]["node"] for r in rows.values() if "merged_gemm" in r}
     assert len(groups) == 1 and sorted(rows["q"]["merged_gemm"]["layers"]) == ["k", "q", "v"]
     assert rows["q"]["merged_gemm"]["n"] == 192 and "merged_gemm" not in rows["o"]
@@ -1061,7 +1069,7 @@ def test_parallel_projections_run_as_one_gemm(monkeypatch):
     with pytest.MonkeyPatch.context() as mp:
         calls = KernelCalls(mp)
         y = merged(x)
-    assert calls.total() == 2                                  # q+k+v in one call, o in another
+    assert calls.total() == 2 == calls.calls[(family, "linear")]   # q+k+v in one call, o in another
     monkeypatch.setattr(qgraph, "_merge_parallel_linears", lambda gm, report: 0)
     _same_without(m, x, calib, y, lambda rep: not any("merged_gemm" in r for r in rep["int8"]))
 
@@ -1078,13 +1086,13 @@ def _same_without(m, x, calib, y, without):
     assert cos >= MIN_COSINE, cos
 
 
-def _force_bf16_attention(monkeypatch, real_route):
+def _force_bf16_attention(monkeypatch, real_route, family="onednn"):
     """The int8 graph's attention on torch's flash kernel in bf16, as on a CPU with native bf16 (every
-    CPU runs the kernel; only its speed differs), and every int8 layer on cpu_opt's oneDNN."""
+    CPU runs the kernel; only its speed differs), and every int8 layer on ``family``."""
     from cpu_opt.platform import routing
     from cpu_opt.quant import api
 
-    monkeypatch.setattr(api, "choose_family", lambda kind, rows, macs, conv=None: ("onednn", "forced"))
+    monkeypatch.setattr(api, "choose_family", lambda kind, rows, macs, conv=None, **_: (family, "forced"))
     monkeypatch.setattr(routing, "auto_dtype", lambda info=None: "bf16")
     monkeypatch.setattr(routing, "route", lambda work, dtype, *a, **k: routing.Route(work, dtype, "torch_flash", "forced")
                         if (work, dtype) in (("attention", "bf16"), ("attention", "int8"))
@@ -1092,7 +1100,8 @@ def _force_bf16_attention(monkeypatch, real_route):
 
 
 @pytest.mark.isa
-def test_projections_feeding_a_bf16_attention_write_bf16(monkeypatch):
+@pytest.mark.parametrize("family", MERGING_FAMILIES)
+def test_projections_feeding_a_bf16_attention_write_bf16(monkeypatch, family):
     """Where an int8 graph's attention runs torch's flash kernel in bf16, the merged query/key/value
     GEMM writes bfloat16 itself: the attention reads its slices without a cast, the output projection
     (read by no attention) keeps float32, and the result equals the same model with the projections
@@ -1106,12 +1115,12 @@ def test_projections_feeding_a_bf16_attention_write_bf16(monkeypatch):
     calib = [(torch.randn(2, 16, 64, generator=gen(710 + i)),) for i in range(N_CALIB)]
     x = torch.randn(2, 16, 64, generator=gen(17))
     real_route = routing.route
-    _force_bf16_attention(monkeypatch, real_route)
+    _force_bf16_attention(monkeypatch, real_route, family)
     opt = cpu_opt.optimize(m, (x,), dtype="int8", calibration_data=calib, qconfig_mapping=minmax_mapping())
     assert any("1 int8 projection(s) feeding them write bf16" in line for line in opt.report()["passes"]), \
         opt.report()["passes"]
     kernels = [n.target for n in opt._base_plan.program.graph.nodes
-               if n.op == "call_function" and isinstance(n.target, K.LINEAR_KERNELS["onednn"])]
+               if n.op == "call_function" and isinstance(n.target, K.LINEAR_KERNELS[family])]
     assert sorted(str(k.float_out) for k in kernels) == ["torch.bfloat16", "torch.float32"]
     seen = []
     real_flash = battn.bf16_flash_attention

@@ -79,7 +79,7 @@ def test_convert_replaces_every_layer_and_reports_its_family(name, converted):
     for r in rep["layers"]:
         want = "linear" if isinstance(layers[r["layer"]], nn.Linear) else "conv2d"
         assert r["kind"] == want and r["int8"] is True
-        assert r["family"] in ("fbgemm", "torch_onednn", "onednn"), r
+        assert r["family"] in ("fbgemm", "torch_onednn", "onednn", "amx"), r
         assert r["why"]
         mod = q.get_submodule(r["layer"])
         assert isinstance(mod, QuantizedLinear if want == "linear" else QuantizedConv2d)
