@@ -20,7 +20,7 @@ OUT = ROOT / "build" / "asan"
 DEFAULT_TESTS = ["tests/test_native.py", "tests/gnn", "tests/fuzz/test_fuzz_gnn.py", "tests/dnnl/test_primitives.py",
                  "tests/dnnl/test_graph.py", "tests/fuzz/test_fuzz_dnnl.py",
                  "tests/optimize/test_native_gemv.py", "tests/optimize/test_eltwise_and_scale.py",
-                 "tests/quant/test_int8_transformer_kernels.py", "tests/optimize/test_f32_attention.py",
+                 "tests/quant/test_int8_transformer_kernels.py", "tests/quant/test_amx_linear.py", "tests/optimize/test_f32_attention.py",
                  "tests/test_native_sgemm.py"]
 
 

@@ -73,16 +73,8 @@ static inline __m512 KFN(co_amxq_gelu16)(__m512 v) {
     __m512 x = _mm512_mul_ps(v, _mm512_set1_ps(CO_SQRT1_2));
     x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(4.f)), _mm512_set1_ps(-4.f));
     const __m512 x2 = _mm512_mul_ps(x, x);
-    __m512 p = _mm512_fmadd_ps(x2, _mm512_set1_ps(CO_GELU_A13), _mm512_set1_ps(CO_GELU_A11));
-    p = _mm512_fmadd_ps(x2, p, _mm512_set1_ps(CO_GELU_A9));
-    p = _mm512_fmadd_ps(x2, p, _mm512_set1_ps(CO_GELU_A7));
-    p = _mm512_fmadd_ps(x2, p, _mm512_set1_ps(CO_GELU_A5));
-    p = _mm512_fmadd_ps(x2, p, _mm512_set1_ps(CO_GELU_A3));
-    p = _mm512_fmadd_ps(x2, p, _mm512_set1_ps(CO_GELU_A1));
-    __m512 q = _mm512_fmadd_ps(x2, _mm512_set1_ps(CO_GELU_B8), _mm512_set1_ps(CO_GELU_B6));
-    q = _mm512_fmadd_ps(x2, q, _mm512_set1_ps(CO_GELU_B4));
-    q = _mm512_fmadd_ps(x2, q, _mm512_set1_ps(CO_GELU_B2));
-    q = _mm512_fmadd_ps(x2, q, _mm512_set1_ps(CO_GELU_B0));
+    __m512 p, q;
+    CO_GELU_PQ(x2, p, q, _mm512_fmadd_ps, _mm512_set1_ps);
     __m512 r = _mm512_rcp14_ps(q);
     r = _mm512_mul_ps(r, _mm512_fnmadd_ps(q, r, _mm512_set1_ps(2.f)));
     const __m512 erf = _mm512_mul_ps(_mm512_mul_ps(x, p), r);

@@ -24,6 +24,21 @@
 #define CO_GELU_B6 -2.13374055278905e-04f
 #define CO_GELU_B8 -1.45660718464996e-05f
 #define CO_SQRT1_2 0.70710678118654752f
+/* the numerator p and denominator q of the erf approximation at x2 = x * x, for any vector width
+ * (FMA, SET1: that width's fmadd and set1 intrinsics): erf(x) = x p / q on [-4, 4] */
+#define CO_GELU_PQ(x2, p, q, FMA, SET1)                                                                            \
+    do {                                                                                                       \
+        p = FMA(x2, SET1(CO_GELU_A13), SET1(CO_GELU_A11));                                                     \
+        p = FMA(x2, p, SET1(CO_GELU_A9));                                                                      \
+        p = FMA(x2, p, SET1(CO_GELU_A7));                                                                      \
+        p = FMA(x2, p, SET1(CO_GELU_A5));                                                                      \
+        p = FMA(x2, p, SET1(CO_GELU_A3));                                                                      \
+        p = FMA(x2, p, SET1(CO_GELU_A1));                                                                      \
+        q = FMA(x2, SET1(CO_GELU_B8), SET1(CO_GELU_B6));                                                       \
+        q = FMA(x2, q, SET1(CO_GELU_B4));                                                                      \
+        q = FMA(x2, q, SET1(CO_GELU_B2));                                                                      \
+        q = FMA(x2, q, SET1(CO_GELU_B0));                                                                      \
+    } while (0)
 #endif
 
 static inline float KFN(co_erf_scalar)(float x) {
@@ -46,17 +61,8 @@ static inline float KFN(co_erf_scalar)(float x) {
 static inline __m256 KFN(co_gelu8)(__m256 v) {
     __m256 x = _mm256_mul_ps(v, _mm256_set1_ps(CO_SQRT1_2));
     x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(4.f)), _mm256_set1_ps(-4.f));
-    __m256 x2 = _mm256_mul_ps(x, x);
-    __m256 p = _mm256_fmadd_ps(x2, _mm256_set1_ps(CO_GELU_A13), _mm256_set1_ps(CO_GELU_A11));
-    p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(CO_GELU_A9));
-    p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(CO_GELU_A7));
-    p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(CO_GELU_A5));
-    p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(CO_GELU_A3));
-    p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(CO_GELU_A1));
-    __m256 q = _mm256_fmadd_ps(x2, _mm256_set1_ps(CO_GELU_B8), _mm256_set1_ps(CO_GELU_B6));
-    q = _mm256_fmadd_ps(x2, q, _mm256_set1_ps(CO_GELU_B4));
-    q = _mm256_fmadd_ps(x2, q, _mm256_set1_ps(CO_GELU_B2));
-    q = _mm256_fmadd_ps(x2, q, _mm256_set1_ps(CO_GELU_B0));
+    __m256 x2 = _mm256_mul_ps(x, x), p, q;
+    CO_GELU_PQ(x2, p, q, _mm256_fmadd_ps, _mm256_set1_ps);
     __m256 erf = _mm256_div_ps(_mm256_mul_ps(x, p), q);
     __m256 half_v = _mm256_mul_ps(v, _mm256_set1_ps(0.5f));
     return _mm256_fmadd_ps(half_v, erf, half_v);  /* 0.5 v + 0.5 v erf */
