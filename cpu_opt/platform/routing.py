@@ -207,12 +207,12 @@ RULES: tuple[Rule, ...] = (
          f"oneDNN 3.2 and torch's oneDNN refuse bf16 below avx512_core ({ZEN3})"),
     Rule("linear", "int8", "amx",
          "cpu_opt's AMX int8 GEMM (weights packed once in 16-column panels; scale, bias, residual, GELU and a uint8 / "
-         "bf16 output in its epilogue) on up to 256 rows. HF BERT-base int8 with every linear layer on it against "
-         "every one on oneDNN 3.2's brg:avx512_core_amx (interleaved calls in one process, medians): batch 1 (128 "
-         "rows) 15.99 vs 17.65, 15.72 vs 17.38, 15.56 vs 16.87 ms (100 calls each); batch 2 26.4 vs 27.7; batch 4 "
-         "(512 rows) 48.0 vs 47.6, level; batch 16 162.7 vs 154.0, behind (its 2048-row GEMMs: 0.69-1.04x oneDNN's "
-         "speed). Layers whose input width is not a multiple of 64 go to oneDNN too (the kernel would copy the "
-         f"input); {XEON_AMX_DEC7}",
+         "bf16 output in its epilogue) on up to 256 rows. HF BERT-base int8 with every linear layer on it against every "
+         "one on oneDNN 3.2's brg:avx512_core_amx, both writing fresh outputs (interleaved calls in one process, "
+         "medians): batch 1 (128 rows) 14.53 vs 16.74 and 14.68 vs 16.95 ms (100 calls each); batch 4 (512 rows) "
+         "39.5 vs 39.8, level; batch 16 (2048 rows) 127.7 vs 122.9, behind (its 2048-row GEMMs ran at 0.69-1.04x "
+         "oneDNN's speed), hence the limit. Layers whose input width is not a multiple of 64 go to oneDNN too (the "
+         f"kernel would copy the input); {XEON_AMX_DEC7}",
          any_of=(frozenset({"amx_int8", "amx_tile"}),), max_rows=256),
     Rule("linear", "int8", "onednn",
          f"u8 x s8 with VNNI: brg:avx512_core_vnni, 220 GFLOP/s at 128x768x3072 vs 175 fp32, {ICX}", any_of=VNNI),
