@@ -53,6 +53,8 @@ class AmxLinear(LinearKernel):
     writes_bf16 = True
 
     def __init__(self, wq, w_scales, bias, x_qparams, **kw):
+        if kernel() is None:
+            raise RuntimeError("amx int8 linear: this CPU (or the ISA cap in force) has no AMX-INT8 tiles")
         super().__init__(wq, w_scales, bias, x_qparams, **kw)
         k = wq.shape[1]
         if self.post_op not in _POST:
