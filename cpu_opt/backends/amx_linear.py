@@ -21,6 +21,8 @@ from .int8 import LinearKernel, chain_u8, input_u8
 
 _POST = {None: 0, "relu": 1, "gelu_erf": 2, "gelu_tanh": 3, "silu": 4, "hardswish": 5}
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
+_RES_KIND = {torch.float32: 1, torch.uint8: 2, torch.int8: 3}
+_NO_AMX = "amx int8 linear: this CPU (or the ISA cap in force) has no AMX-INT8 tiles"
 
 
 def kernel():
@@ -54,13 +56,12 @@ class AmxLinear(LinearKernel):
 
     def __init__(self, wq, w_scales, bias, x_qparams, **kw):
         if kernel() is None:
-            raise RuntimeError("amx int8 linear: this CPU (or the ISA cap in force) has no AMX-INT8 tiles")
+            raise RuntimeError(_NO_AMX)
         super().__init__(wq, w_scales, bias, x_qparams, **kw)
-        k = wq.shape[1]
         if self.post_op not in _POST:
             raise ValueError(f"amx int8 linear: post-op {self.post_op!r} is not one of {sorted(p for p in _POST if p)}")
         self.fused_post_op = self.post_op is not None
-        self.in_features = k
+        self.in_features = wq.shape[1]
         self.wq_t = wq.t()   # as DnnlLinear keeps it (the int8 graph pass merges parallel layers from it)
         self.wp = pack_weights(wq)
         scale = (self.x_scale * self.w_scales.double()).float()
@@ -78,32 +79,26 @@ class AmxLinear(LinearKernel):
 
             fn, ffi = kernel(), native.ffi()
             if fn is None:
-                raise RuntimeError("amx int8 linear: this CPU (or the ISA cap in force) has no AMX-INT8 tiles")
+                raise RuntimeError(_NO_AMX)
             c = self._tls.consts = (fn, ffi.cast("int8_t *", self.wp.data_ptr()),
                                     ffi.cast("float *", self.k_scale.data_ptr()),
                                     ffi.cast("float *", self.k_bias.data_ptr()))
         return c
 
     def _residual(self, other, rows):
-        """(pointer, length, row stride, kind, scale, zero point) of a residual as the kernel reads it."""
+        """(pointer, length, row stride, kind, scale, zero point, tensor) of a residual as the kernel reads
+        it; the dtype and qparam checks are the oneDNN family's (:func:`_residual_operand`)."""
         from cpu_opt import native
 
-        ffi = native.ffi()
+        from .onednn_primitives import _residual_operand
+
         if other is None:
-            return ffi.NULL, 0, 0, 0, 1.0, 0, None
-        r = other.reshape(rows, self.out_features)
-        if r.dtype in (torch.uint8, torch.int8):
-            if self.other_qparams is None:
-                raise RuntimeError(f"amx int8 linear: a {r.dtype} residual without its quantization parameters")
-            s, z = self.other_qparams
-            if r.dtype == torch.int8 and z != 0:
-                raise RuntimeError(f"an int8 residual is symmetric (zero point 0), got {self.other_qparams}")
-            kind = 2 if r.dtype == torch.uint8 else 3
-        else:
-            r, kind, s, z = (r if r.dtype == torch.float32 else r.float()), 1, 1.0, 0
+            return native.ffi().NULL, 0, 0, 0, 1.0, 0, None
+        r = _residual_operand(other, self.other_qparams).reshape(rows, self.out_features)
         if r.stride(-1) != 1 or r.stride(0) < self.out_features:
             r = r.contiguous()
-        return ffi.cast("void *", r.data_ptr()), r.numel() and (r.shape[0] - 1) * r.stride(0) + r.shape[1], \
+        kind, (s, z) = _RES_KIND[r.dtype], (self.other_qparams if r.dtype != torch.float32 else (1.0, 0))
+        return native.ffi().cast("void *", r.data_ptr()), (rows - 1) * r.stride(0) + self.out_features if rows else 0, \
             r.stride(0), kind, float(s), int(z), r
 
     def run(self, x, other=None):

@@ -42,7 +42,6 @@ class DnnlLinear(LinearKernel):
         and value projections of an attention that runs in bf16 (no cast of each of them)."""
         super().write_bf16()
         self._bound.clear()
-        self._tls = threading.local()   # no float32 output buffer kept from before
         self.mm = self._matmul(None)
 
     def run(self, x, other=None):
