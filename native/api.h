@@ -188,6 +188,9 @@ int64_t KFN(amx_attention_bf16)(const uint16_t *q, int64_t q_len, const int64_t 
  * h / (H / Hk)) and causal != 0 (query i sees keys j <= i). CO_ERR_UNSUPPORTED_AMX (-6) outside the
  * avx512 variant or on a CPU without AVX512_BF16. */
 int64_t KFN(dpbf16_attention)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k, int64_t k_len, const int64_t *ks, const uint16_t *v, int64_t v_len, const int64_t *vs, int64_t B, int64_t H, int64_t Hk, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale, int causal, const float *mask, int64_t mask_len, const int64_t *ms, float *out, int64_t out_len, const int64_t *os, int nthreads);
+/* dpbf16_attention_bf16out: the same with a bf16 output (out, out_len in bf16 elements), each float rounded
+ * to nearest even as torch's .to(torch.bfloat16) does */
+int64_t KFN(dpbf16_attention_bf16out)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k, int64_t k_len, const int64_t *ks, const uint16_t *v, int64_t v_len, const int64_t *vs, int64_t B, int64_t H, int64_t Hk, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale, int causal, const float *mask, int64_t mask_len, const int64_t *ms, uint16_t *out, int64_t out_len, const int64_t *os, int nthreads);
 
 /* ---- the same attention in float32 on AVX-512 FMA (native/kernels/f32_attention.c) ----
  * f32_attention: dpbf16_attention's operands, limits and statuses with float32 q / k / v (lengths in

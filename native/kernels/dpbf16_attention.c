@@ -15,7 +15,11 @@
  * of each row (bf16 probabilities, rounded to nearest even, normalised afterwards on the output
  * row as a flash kernel does; an all -inf row gives zeros) and p @ v (12 x 32 output dimensions per
  * register block). Returns CO_ERR_UNSUPPORTED_AMX (the "no such instructions here" status) outside
- * the avx512 variant or on a CPU without AVX512_BF16. */
+ * the avx512 variant or on a CPU without AVX512_BF16.
+ *
+ * dpbf16_attention_bf16out: the same, its output bf16 (each float rounded to nearest even as torch's
+ * .to(torch.bfloat16) does, NaN kept NaN) as each block of 12 rows x 32 dimensions is done: what a bf16
+ * graph wants, without a float32 output to write and read again. */
 
 #if defined(CO_VARIANT_AVX512)
 #define CO_DP_MR 12   /* query rows per register block: 12 x 2 accumulators of 16 floats */
@@ -56,11 +60,29 @@ static inline void KFN(co_dp_block)(const uint16_t *a, int64_t lda, const uint32
     }
 }
 
-/* one (batch, head): k and v already packed (kp, vp) */
+/* the first `rows` rows of a 32-float-wide block buffer, w <= 32 floats of each, to bf16 out (row stride
+ * os elements): rounded to nearest even, NaN as the quiet NaN 0x7FC0 (torch's conversion) */
+static inline void KFN(co_store_block_rows_bf16)(uint16_t *out, int64_t os, const float *ob, int64_t rows, int64_t w) {
+    const __mmask16 m0 = w >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << w) - 1u);
+    const __mmask16 m1 = w >= 32 ? (__mmask16)0xFFFF : (w <= 16 ? (__mmask16)0 : (__mmask16)((1u << (w - 16)) - 1u));
+    const __m256i qnan = _mm256_set1_epi16(0x7FC0);
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 a = _mm512_loadu_ps(ob + r * 32), b = _mm512_loadu_ps(ob + r * 32 + 16);
+        const __m256i ha = _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), KFN(co_to_bf16x16)(a), qnan);
+        const __m256i hb = _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q), KFN(co_to_bf16x16)(b), qnan);
+        _mm256_mask_storeu_epi16(out + r * os, m0, ha);
+        if (m1)
+            _mm256_mask_storeu_epi16(out + r * os + 16, m1, hb);
+    }
+}
+
+/* one (batch, head): k and v already packed (kp, vp); the output float32 (out) or bf16 (out16 non-NULL,
+ * at the same element offsets) */
 __attribute__((target("avx512bf16")))
 static void KFN(co_dp_head)(const uint16_t *q, int64_t qs, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale,
                             int causal, const float *mask, int64_t ms, float *out, int64_t os,
-                            const uint32_t *kp, const uint16_t *vp, uint16_t *qb, float *sb, uint16_t *pb, float *ob) {
+                            const uint32_t *kp, const uint16_t *vp, uint16_t *qb, float *sb, uint16_t *pb, float *ob,
+                            uint16_t *out16) {
     const int64_t nk_p = KFN(co_round_up)(nk, 32), d_p = KFN(co_round_up)(d, 2), dv_p = KFN(co_round_up)(dv, 32);
     for (int64_t i0 = 0; i0 < nq; i0 += CO_DP_MR) {
         const int64_t rows = nq - i0 < CO_DP_MR ? nq - i0 : CO_DP_MR;
@@ -88,7 +110,11 @@ static void KFN(co_dp_head)(const uint16_t *q, int64_t qs, int64_t nq, int64_t n
                                              (mask && r < rows) ? mask + (i0 + r) * ms : NULL, pb + r * nk_p);
         }
         for (int64_t c0 = 0; c0 < dv_p; c0 += 32) {
-            if (rows == CO_DP_MR && c0 + 32 <= dv) {   /* straight into the output */
+            if (out16) {   /* bf16 output: the block in ob, then its rows rounded into out16 */
+                KFN(co_dp_block)(pb, nk_p, (const uint32_t *)vp + c0, dv_p, n_hi / 2, ob, 32, inv);
+                if (c0 < dv)
+                    KFN(co_store_block_rows_bf16)(out16 + i0 * os + c0, os, ob, rows, dv - c0 < 32 ? dv - c0 : 32);
+            } else if (rows == CO_DP_MR && c0 + 32 <= dv) {   /* straight into the output */
                 KFN(co_dp_block)(pb, nk_p, (const uint32_t *)vp + c0, dv_p, n_hi / 2, out + i0 * os + c0, os, inv);
             } else {
                 KFN(co_dp_block)(pb, nk_p, (const uint32_t *)vp + c0, dv_p, n_hi / 2, ob, 32, inv);
@@ -99,19 +125,23 @@ static void KFN(co_dp_head)(const uint16_t *q, int64_t qs, int64_t nq, int64_t n
 }
 #endif
 
-int64_t KFN(dpbf16_attention)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k, int64_t k_len,
-                              const int64_t *ks, const uint16_t *v, int64_t v_len, const int64_t *vs, int64_t B,
-                              int64_t H, int64_t Hk, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale,
-                              int causal, const float *mask, int64_t mask_len, const int64_t *ms, float *out,
-                              int64_t out_len, const int64_t *os, int nthreads) {
+/* both entry points: exactly one of out (float32) and out16 (bf16) is used; out_len counts elements */
+static int64_t KFN(co_dpbf16_attention)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k,
+                                        int64_t k_len, const int64_t *ks, const uint16_t *v, int64_t v_len,
+                                        const int64_t *vs, int64_t B, int64_t H, int64_t Hk, int64_t nq, int64_t nk,
+                                        int64_t d, int64_t dv, float scale, int causal, const float *mask,
+                                        int64_t mask_len, const int64_t *ms, float *out, uint16_t *out16,
+                                        int64_t out_len, const int64_t *os, int nthreads) {
 #if !defined(CO_VARIANT_AVX512)
     CO_ATTENTION_UNUSED();
     (void)Hk;
     (void)causal;
+    (void)out16;
     return CO_ERR_UNSUPPORTED_AMX;
 #else
     int64_t status = KFN(co_attention_check)(q, q_len, qs, k, k_len, ks, v, v_len, vs, B, H, Hk, nq, nk, d, dv,
-                                             scale, mask, mask_len, ms, out, out_len, os, nthreads);
+                                             scale, mask, mask_len, ms, out16 ? (const float *)(const void *)out16 : out,
+                                             out_len, os, nthreads);
     if (status != 1)
         return status;
     if (!__builtin_cpu_supports("avx512bf16"))
@@ -143,14 +173,34 @@ int64_t KFN(dpbf16_attention)(const uint16_t *q, int64_t q_len, const int64_t *q
                     packed = b * Hk + hk;
                 }
                 const float *mb = mask ? mask + b * ms[0] + h * ms[1] : NULL;
+                const int64_t oo = b * os[0] + h * os[1];
                 KFN(co_dp_head)(q + b * qs[0] + h * qs[1], qs[2], nq, nk, d, dv, scale, causal, mb,
-                                mask ? ms[2] : 0, out + b * os[0] + h * os[1], os[2], kp, vp,
+                                mask ? ms[2] : 0, out16 ? NULL : out + oo, os[2], kp, vp,
                                 (uint16_t *)(buf + offs[2]), (float *)(buf + offs[3]), (uint16_t *)(buf + offs[4]),
-                                (float *)(buf + offs[5]));
+                                (float *)(buf + offs[5]), out16 ? out16 + oo : NULL);
             }
             free(buf);
         }
     }
     return failed ? CO_ERR_NO_MEMORY : CO_OK;
 #endif
+}
+
+int64_t KFN(dpbf16_attention)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k, int64_t k_len,
+                              const int64_t *ks, const uint16_t *v, int64_t v_len, const int64_t *vs, int64_t B,
+                              int64_t H, int64_t Hk, int64_t nq, int64_t nk, int64_t d, int64_t dv, float scale,
+                              int causal, const float *mask, int64_t mask_len, const int64_t *ms, float *out,
+                              int64_t out_len, const int64_t *os, int nthreads) {
+    return KFN(co_dpbf16_attention)(q, q_len, qs, k, k_len, ks, v, v_len, vs, B, H, Hk, nq, nk, d, dv, scale, causal,
+                                    mask, mask_len, ms, out, NULL, out_len, os, nthreads);
+}
+
+int64_t KFN(dpbf16_attention_bf16out)(const uint16_t *q, int64_t q_len, const int64_t *qs, const uint16_t *k,
+                                      int64_t k_len, const int64_t *ks, const uint16_t *v, int64_t v_len,
+                                      const int64_t *vs, int64_t B, int64_t H, int64_t Hk, int64_t nq, int64_t nk,
+                                      int64_t d, int64_t dv, float scale, int causal, const float *mask,
+                                      int64_t mask_len, const int64_t *ms, uint16_t *out, int64_t out_len,
+                                      const int64_t *os, int nthreads) {
+    return KFN(co_dpbf16_attention)(q, q_len, qs, k, k_len, ks, v, v_len, vs, B, H, Hk, nq, nk, d, dv, scale, causal,
+                                    mask, mask_len, ms, NULL, out, out_len, os, nthreads);
 }

@@ -20,9 +20,9 @@ def assert_whole_graph_in_torch(rep: dict) -> None:
 
 
 def count_fused_attention_calls(monkeypatch, getter: str) -> list:
-    """Patch ``cpu_opt.backends.attention.<getter>`` (``_dpbf16_kernel``, ``_f32_kernel``: the native
-    kernel, or None where it cannot run) so that every call of the kernel it hands out is recorded as
-    its (B, H, kv heads) arguments; returns that list."""
+    """Patch ``cpu_opt.backends.attention.<getter>`` (``_dpbf16_kernel``, ``_dpbf16_bf16out_kernel``,
+    ``_f32_kernel``: the native kernel, or None where it cannot run) so that every call of the kernel
+    it hands out is recorded as its (B, H, kv heads) arguments; returns that list."""
     from cpu_opt.backends import attention as battn
 
     calls = []

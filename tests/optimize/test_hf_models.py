@@ -164,7 +164,7 @@ def test_bf16_attention_runs_the_routed_kernel(name, monkeypatch):
     from cpu_opt.backends import attention as battn
     from cpu_opt.platform import routing
 
-    calls = count_fused_attention_calls(monkeypatch, "_dpbf16_kernel")
+    calls = count_fused_attention_calls(monkeypatch, "_dpbf16_bf16out_kernel")
     make, inputs = CASES[name]
     torch.manual_seed(0)
     model = make().eval()

@@ -163,6 +163,51 @@ def test_dpbf16_attention_takes_causal_and_grouped_heads(Sq, Sk, H, Hk, flash_ca
     assert (out16.double() - _reference(q, kr, vr, causal, 1 / 8)).abs().max() < 3e-2
 
 
+@pytest.mark.parametrize("Sq,Sk,H,Hk,D,Dv", [(128, 128, 12, 12, 64, 64), (37, 70, 4, 2, 64, 40), (5, 9, 2, 1, 32, 80),
+                                          (13, 13, 3, 3, 17, 5)])
+def test_dpbf16_bf16_output_is_the_float32_output_rounded(Sq, Sk, H, Hk, D, Dv, monkeypatch):
+    """The bf16 graph's entry point writes bf16 from the kernel itself (dpbf16_attention_bf16out): bit for bit
+    the float32 kernel's output rounded to nearest even by torch, on whole and partial 12-row blocks,
+    output widths below, above and not a multiple of 32, grouped heads, causal, a mask, the output in
+    the projection's layout; NaN from v stays NaN. Its matmul-softmax fallback must not run."""
+    if not _runs_here("dpbf16"):
+        pytest.skip("the kernel runs on AVX512_BF16 CPUs (elsewhere the bf16 entry point's fallback is tested above)")
+
+    def no_fallback(*a, **kw):
+        raise AssertionError("the bf16 entry point fell back to matmul-softmax")
+
+    monkeypatch.setattr(battn, "bf16_matmul_softmax_attention", no_fallback)
+    g = gen(Sq * 3 + Dv)
+    q = torch.randn(2, H, Sq, D, generator=g).bfloat16()
+    k = torch.randn(2, Hk, Sk, D, generator=g).bfloat16()
+    v = torch.randn(2, Hk, Sk, Dv, generator=g).bfloat16()
+    v[1, 0, 2, 3] = float("nan")
+    mask = torch.where(torch.rand(2, 1, Sq, Sk, generator=g) < 0.2, -1e4, 0.0)
+    for is_causal, m in ((False, mask), (True, None)):
+        ref = battn.dpbf16_attention(q, k, v, m, is_causal=is_causal, enable_gqa=Hk != H)
+        out = battn.dpbf16_attention_bf16(q, k, v, m, is_causal=is_causal, enable_gqa=Hk != H)
+        assert out.dtype == torch.bfloat16 and out.shape == ref.shape and out.stride() == ref.stride()
+        nan = ref.isnan()
+        assert nan.any() and torch.equal(out.isnan(), nan)
+        assert torch.equal(out[~nan].view(torch.int16), ref.to(torch.bfloat16)[~nan].view(torch.int16))
+    # the native entry point's own bound on its bf16 output (in bf16 elements)
+    f = native.ffi()
+    fn = native.kernel("dpbf16_attention_bf16out")
+    qs, ks = (f.new("int64_t[3]", [t.stride(0), t.stride(1), t.stride(2)]) for t in (q, k))
+    o = torch.empty(2, H, Sq, Dv, dtype=torch.bfloat16)
+    os_ = f.new("int64_t[3]", list(o.stride()[:3]))
+    u16 = lambda t: f.cast("uint16_t *", t.data_ptr())  # noqa: E731
+
+    def call(out_len):
+        return fn(u16(q), q.numel(), qs, u16(k), k.numel(), ks, u16(v), v.numel(), f.new("int64_t[3]", list(v.stride()[:3])),
+                  2, H, Hk, Sq, Sk, D, Dv, 0.125, 0, f.NULL, 0, f.NULL, u16(o), out_len, os_, 2)
+
+    assert call(o.numel()) == 0
+    assert call(o.numel() - 1) == -1   # CO_ERR_INDEX_OUT_OF_RANGE, nothing written past the output
+    assert fn(u16(q), q.numel(), qs, u16(k), k.numel(), ks, u16(v), v.numel(), f.new("int64_t[3]", list(v.stride()[:3])),
+              2, H, Hk, Sq, Sk, D, Dv, 0.125, 0, f.NULL, 0, f.NULL, f.NULL, o.numel(), os_, 2) == -2
+
+
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_fused_attention_kernel_checks_every_operand_bound(kernel):
     if not _runs_here(kernel):
