@@ -51,6 +51,11 @@ def _fn(name: str):
     return fn
 
 
+def variant() -> str:
+    """The variant the kernels run here: the one use_variant forces, else this CPU's (under the ISA cap)."""
+    return getattr(_state, "variant", None) or native.select_variant()
+
+
 def _nthreads() -> int:
     return max(1, torch.get_num_threads())
 
@@ -348,6 +353,39 @@ def mask_gather(colptr, row_t, perm, wmask, g, weight, n_out: int):
         _raise_index("mask_gather", st, -2 - bad[0], "perm", perm, nnz)
     if st:
         _raise_index("mask_gather", st, bad[0], "row_t", row_t, g.shape[0], colptr)
+    return out
+
+
+def mask_gather_proj(colptr, row_t, perm, wmask, g, wl, n_out: int, out=None):
+    """:func:`mask_gather` of ``g @ wl`` without that product (float32): ``out[i] = sum_{k in col i,
+    bit j of wmask[perm[k]]} (g[row_t[k]] @ wl)[j]``, each in-edge computing the row of ``g @ wl`` it
+    needs where it won a feature. ``g`` (n x C) is a max/min-aggregating layer's output gradient and
+    ``wl`` (C x F) the linear map after the aggregation (nn.Linear's weight, (out, in)). ``out``: a
+    contiguous float32 (n_out x F) tensor to add into (it is returned), else a new one."""
+    g = check_tensor(g, "grad", dtypes=(torch.float32,), dim=2).contiguous()
+    wl = check_tensor(wl, "wl", dtypes=(torch.float32,), dim=2).contiguous()
+    if wl.shape[0] != g.shape[1]:
+        raise ValueError(f"wl must have grad's {g.shape[1]} columns as its rows, got shape {tuple(wl.shape)}")
+    F = wl.shape[1]
+    colptr, row_t, perm, _ = _csc_args(colptr, row_t, perm, None, g, n_out)
+    nnz = row_t.numel()
+    wmask = _check_mask(wmask, nnz, F)
+    if out is not None:
+        check_tensor(out, "out", dtypes=(torch.float32,), dim=2)
+        if tuple(out.shape) != (n_out, F) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous ({n_out}, {F}) float32 tensor, got {tuple(out.shape)}")
+    acc = out is not None
+    out = out if acc else native.empty(n_out, F, dtype=torch.float32)
+    isuf, ict = INDEX_DTYPES[row_t.dtype]
+    bad = native.ffi().new("int64_t *", -1)
+    st = _fn(f"mask_gather_proj_f32_{isuf}")(_p(colptr, "int64_t *"), n_out, _p(row_t, ict), _p(perm, "int64_t *"),
+                                            nnz, _p(wmask, "uint64_t *"), _p(g, "float *"), g.shape[0], g.shape[1],
+                                            _p(wl, "float *"), F, _p(out, "float *"), int(acc), _nthreads(), bad)
+    _raise_mask("mask_gather_proj", st, F)
+    if st == -1 and bad[0] <= -2:
+        _raise_index("mask_gather_proj", st, -2 - bad[0], "perm", perm, nnz)
+    if st:
+        _raise_index("mask_gather_proj", st, bad[0], "row_t", row_t, g.shape[0], colptr)
     return out
 
 

@@ -426,33 +426,82 @@ class _NativeLinearSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         a1, w1, a2, w2, out = ctx.saved_tensors
-        g = g.contiguous()
+        return (*_linear_sum_grads(g, a1, w1, a2, w2, out, ctx.relu, ctx.biases, ctx.needs_input_grad)[1:], None)
+
+
+def _linear_sum_grads(g, a1, w1, a2, w2, out, relu: bool, biases, n):
+    """The gradients of ``[relu](a1 w1^T + b1 + a2 w2^T + b2)`` for :class:`_NativeLinearSum` and
+    :class:`_NativeMaxSage`: ``(g through the ReLU, ga1, gw1, gb1, ga2, gw2, gb2)``, each None where
+    ``n`` (needs_input_grad of a1, w1, b1, a2, w2, b2) does not ask for it; ``biases`` says which
+    bias exists. With create_graph (grad mode on) differentiable torch ops; else the tall-skinny
+    kernels, both weight gradients in one pass over ``g``."""
+    g = g.contiguous()
+    need_b = (n[2] and biases[0]) or (n[5] and biases[1])
+    if torch.is_grad_enabled():  # create_graph=True: differentiable ops
+        if relu:
+            g = torch.ops.aten.threshold_backward(g, out, 0)
+        gb = g.sum(0) if need_b else None
+        return (g, g.mm(w1) if n[0] else None, g.t().mm(a1) if n[1] else None, gb if n[2] else None,
+                g.mm(w2) if n[3] else None, g.t().mm(a2) if n[4] else None, gb if n[5] else None)
+    keep = None
+    if relu and (n[0] or n[3]):  # the masked gradient feeds the input-gradient GEMMs: written once
+        g = _relu_grad(g, out)
+    elif relu:  # only weight gradients: each masks g as it reads it
+        keep = out
+    ga1 = native_linear.ts_matmul(g, w1) if n[0] else None
+    ga2 = native_linear.ts_matmul(g, w2) if n[3] else None
+    gw1 = gw2 = gb = None
+    if n[1] and n[4]:  # both weight gradients in one pass over g
+        gw1, gw2, gb = native_linear.ts_weight_grad2(g, a1, a2, bias=need_b, keep=keep)
+    elif n[1]:
+        gw1, gb = native_linear.ts_weight_grad(g, a1, bias=need_b, keep=keep)
+    elif n[4]:
+        gw2, gb = native_linear.ts_weight_grad(g, a2, bias=need_b, keep=keep)
+    if need_b and gb is None:
+        gb = (g if keep is None else _relu_grad(g, keep)).sum(0)
+    return (g, ga1, gw1, gb if n[2] and biases[0] else None, ga2, gw2, gb if n[5] and biases[1] else None)
+
+
+class _NativeMaxSage(torch.autograd.Function):
+    """A max-aggregating SAGEConv with its root weight, ``[relu](lin_l(max_{j->i} x_j) + lin_r(x_r))``,
+    as one Function. Forward: the max spmm (winners as a bit mask) and :class:`_NativeLinearSum`'s
+    GEMM. Backward: the gradient of ``x`` through the aggregation is ``mask_gather_proj`` of the
+    (narrow) output gradient and ``W_l``: each edge forms the row of ``g W_l`` it needs where it won a
+    feature, so the n x F product is never written nor gathered at random (the power-law graph of
+    ``python -m bench gnn``, F = 64 -> 8, Zen 4, 2 threads: 7.0 ms against 14-18 for the product and
+    ``mask_gather``); it is added into ``g W_r`` when the root reads the same ``x`` (no separate sum
+    of the two gradients). ``x_r`` None: the root term reads ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, x_r, w1, b1, w2, b2, rowptr, col, colptr, row_t, perm_t, relu):
+        w1, w2 = w1.contiguous(), w2.contiguous()
+        a2 = x if x_r is None else x_r
+        aggr, wmask = K.segment_reduce(rowptr, col, None, x, "amax", mask=True)
+        ctx.biases, ctx.relu, ctx.same, ctx.n_x = (b1 is not None, b2 is not None), relu, x_r is None, x.shape[0]
+        bias = b1 if b2 is None else (b2 if b1 is None else b1 + b2)
+        out = native_linear.ts_linear_sum(aggr, w1, a2, w2, None if bias is None else bias.contiguous(), relu=relu)
+        ctx.save_for_backward(aggr, w1, a2, w2, out if relu else None, wmask, colptr, row_t, perm_t)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        aggr, w1, a2, w2, out, wmask, colptr, row_t, perm_t = ctx.saved_tensors
         n = ctx.needs_input_grad
-        need_b = (n[2] and ctx.biases[0]) or (n[5] and ctx.biases[1])
-        if torch.is_grad_enabled():  # create_graph=True: differentiable ops
-            if ctx.relu:
-                g = torch.ops.aten.threshold_backward(g, out, 0)
-            gb = g.sum(0) if need_b else None
-            return (g.mm(w1) if n[0] else None, g.t().mm(a1) if n[1] else None, gb if n[2] else None,
-                    g.mm(w2) if n[3] else None, g.t().mm(a2) if n[4] else None, gb if n[5] else None, None)
-        keep = None
-        if ctx.relu and (n[0] or n[3]):  # the masked gradient feeds the input-gradient GEMMs: written once
-            g = _relu_grad(g, out)
-        elif ctx.relu:  # only weight gradients: each masks g as it reads it
-            keep = out
-        ga1 = native_linear.ts_matmul(g, w1) if n[0] else None
-        ga2 = native_linear.ts_matmul(g, w2) if n[3] else None
-        gw1 = gw2 = gb = None
-        if n[1] and n[4]:  # both weight gradients in one pass over g
-            gw1, gw2, gb = native_linear.ts_weight_grad2(g, a1, a2, bias=need_b, keep=keep)
-        elif n[1]:
-            gw1, gb = native_linear.ts_weight_grad(g, a1, bias=need_b, keep=keep)
-        elif n[4]:
-            gw2, gb = native_linear.ts_weight_grad(g, a2, bias=need_b, keep=keep)
-        if need_b and gb is None:
-            gb = (g if keep is None else _relu_grad(g, keep)).sum(0)
-        return (ga1, gw1, gb if n[2] and ctx.biases[0] else None,
-                ga2, gw2, gb if n[5] and ctx.biases[1] else None, None)
+        need_x, need_xr = n[0], (n[0] if ctx.same else n[1])
+        # lin_l's input gradient is not formed here: mask_gather_proj takes its place
+        g, _, gw1, gb1, gxr, gw2, gb2 = _linear_sum_grads(g, aggr, w1, a2, w2, out, ctx.relu, ctx.biases,
+                                                          (False, n[2], n[3], need_xr, n[4], n[5]))
+        gx = None
+        if need_x:
+            if torch.is_grad_enabled():  # create_graph: the custom op (differentiating it raises, as spmm's does)
+                ga = torch.ops.cpu_opt.mask_gather(colptr, row_t, perm_t, wmask, g.mm(w1), None, ctx.n_x)
+                gx = ga + gxr if ctx.same else ga
+            else:
+                gx = K.mask_gather_proj(colptr, row_t, perm_t, wmask, g, w1, ctx.n_x,
+                                        out=gxr if ctx.same else None)
+        if ctx.same:
+            return gx, None, gw1, gb1, gw2, gb2, None, None, None, None, None, None
+        return gx, gxr, gw1, gb1, gw2, gb2, None, None, None, None, None, None
 
 
 class _NativeMLP(torch.autograd.Function):
@@ -606,6 +655,14 @@ def _sage_forward_fused_root(self, x, edge_index, size=None):
     :class:`_NativeLinearSum` where it fits, PyG's two linears and their sum otherwise."""
     if isinstance(x, torch.Tensor):
         x = (x, x)
+    graph = _max_sage_graph(self, x, edge_index, size)
+    if graph is not None:
+        _counts[_MAX_SAGE] += 1
+        b = [getattr(self.lin_l, "bias", None), getattr(self.lin_r, "bias", None)]
+        relu = not self.normalize and _take_relu(self)
+        out = _NativeMaxSage.apply(x[0], None if x[1] is x[0] else x[1], self.lin_l.weight, b[0], self.lin_r.weight,
+                                   b[1], *graph, relu)
+        return torch.nn.functional.normalize(out, p=2.0, dim=-1) if self.normalize else out
     out = self.propagate(edge_index, x=x, size=size)
     x_r = x[1]
     if self.root_weight and x_r is not None and _sum_fits(out, self.lin_l.weight, x_r, self.lin_r.weight):
@@ -625,6 +682,43 @@ def _sage_forward_fused_root(self, x, edge_index, size=None):
     if self.normalize:
         out = torch.nn.functional.normalize(out, p=2.0, dim=-1)
     return out
+
+
+_MAX_SAGE = ("linear: cpu_opt tall-skinny GEMM (lin_l + lin_r in one output), the max aggregation before it in "
+             "the same Function (backward: mask_gather_proj, no g @ W_l)")
+
+
+def _max_sage_fits(F: int, C: int) -> bool:
+    """Whether mask_gather_proj's vector rows take F input features to C outputs here: F a multiple of
+    16 on the avx512 kernels, of 8 on the avx2 ones, and C < F (each winning edge does C x F
+    multiply-adds in place of reading F floats). The power-law graph of ``python -m bench gnn``
+    (100k nodes, 1M edges, 64 -> 8), medians of 21, 2 threads, mask_gather_proj against ts_matmul +
+    mask_gather: avx512 7.0 vs 9.9-17.9 ms, avx2 10.2 vs 12.9 (both variants on an AMD EPYC Zen 4,
+    2026-12-07; the avx2 one not timed on an AVX2-only CPU)."""
+    v = K.variant()
+    return C < F and ((v == "avx512" and F % 16 == 0) or (v == "avx2" and F % 8 == 0))
+
+
+def _max_sage_graph(conv, x, edge_index, size):
+    """``(rowptr, col, colptr, row_t, perm_t)`` where :class:`_NativeMaxSage` takes this call of a
+    max-aggregating SAGEConv (float32 features that need a gradient, the graph a torch CSR ``adj_t``
+    without edge weights whose winners are kept as a bit mask, :func:`_max_sage_fits`, no hooks,
+    eager), else None: PyG's propagate and :class:`_NativeLinearSum` then."""
+    x0, x_r = x
+    if (conv.aggr != "max" or not conv.root_weight or x_r is None or not isinstance(edge_index, torch.Tensor)
+            or edge_index.layout != torch.sparse_csr or size is not None or torch.compiler.is_compiling()
+            or not torch.is_grad_enabled() or not isinstance(x0, torch.Tensor) or not x0.requires_grad
+            or conv.explain or conv.decomposed_layers != 1 or any(getattr(conv, h, None) for h in _MP_HOOKS)
+            or x0.dtype != torch.float32 or x0.dim() != 2 or x0.device.type != "cpu"
+            or not _native_sum_fits(x0, conv.lin_l.weight, x_r, conv.lin_r.weight)):
+        return None
+    if not _max_sage_fits(x0.shape[1], conv.lin_l.weight.shape[0]):
+        return None
+    g, w = ops._graph_and_weight(edge_index, None)
+    if (w is not None or x0.shape[0] != g.n_cols or x_r.shape[0] != g.n_rows
+            or not K.use_winner_mask(g.nnz, g.n_rows, x0.shape[1])):
+        return None
+    return (g.rowptr, g.col, *g.csc())
 
 
 def _fused_root_what() -> str:

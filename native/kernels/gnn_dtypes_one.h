@@ -1,6 +1,7 @@
 /* One index dtype (CO_IT, CO_ISUF), three feature dtypes. */
 
 #define CO_DT f32
+#define CO_DT_IS_F32 1   /* for a template's float32-only kernels */
 #define CO_T float
 #define CO_ACC float
 #define CO_T_IS_ACC 1
@@ -8,6 +9,7 @@
 #define CO_STORE(a) (a)
 #include CO_TEMPLATE
 #undef CO_DT
+#undef CO_DT_IS_F32
 #undef CO_T
 #undef CO_ACC
 #undef CO_T_IS_ACC

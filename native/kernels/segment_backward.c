@@ -7,6 +7,7 @@
  *                    (max/min: gradient of x, as arg_scatter but gathered: no scattered writes)
  *   mask_gather      as arg_gather, from the winner bit mask (nnz x ceil(F/64) uint64; only set bits visited)
  *   mask_weight_grad out_w[e] = sum over e's set bits j of x[col[e], j] * g[r, j]
+ *   mask_gather_proj mask_gather of g @ wl (g n x C, wl C x F) without that product (float32 only)
  * The gradient of x for sum/mean spmm is segment_reduce itself over the cached CSC transpose.
  * Every index is checked before any write (a winner must be -1 or inside its row); for arg
  * kernels *bad_pos >= 0 is a position in arg; a mask bit at or past F is CO_ERR_BAD_ARGUMENT,

@@ -436,3 +436,182 @@ int64_t KFN(CO_N3(mask_weight_grad, CO_DT, CO_ISUF))(
     }
     return CO_OK;
 }
+
+#if defined(CO_DT_IS_F32)
+/* mask_gather_proj: the max/min spmm gradient of x from the winner bit mask (mask_gather above)
+ * with the linear map that follows the aggregation folded in: each in-edge computes the F-wide row of
+ * g @ wl it needs from g's narrow row (C floats) where it won a feature, so a max-aggregating
+ * SAGEConv's backward reads 4 C bytes per edge instead of 4 F and writes no n x F gradient of the
+ * aggregation. float32 only; vector rows on AVX-512 (F % 16 == 0) and AVX2 (F % 8 == 0). */
+
+#if defined(CO_VARIANT_AVX512)
+/* One output row i over the 64 features of mask word q (NV vectors of 16: F % 16 == 0): per CSC
+ * in-edge k whose mask word is not 0, the edge's 16-lane products sum_o g[row_t[k], o] wl[o, 64q + 16v + l]
+ * (C broadcasts, C x NV FMAs, wl read from L1), each added to the row's accumulators under the
+ * word's bits as a k-mask (lanes not won add nothing). */
+static inline __attribute__((always_inline)) void
+KFN(CO_N2(mask_gather_proj_row16, CO_ISUF))(const int NV, int64_t k0, int64_t k1, int64_t k_stop, const CO_IT *row_t,
+                               const int64_t *perm, const uint64_t *wmask, int64_t W, int64_t q, const float *g,
+                               int64_t C, const float *wl, int64_t F, float *o, int accumulate)
+{
+    __m512 acc[4];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+        acc[v] = accumulate ? _mm512_loadu_ps(o + 64 * q + 16 * v) : _mm512_setzero_ps();
+    const float *wq = wl + 64 * q;
+    for (int64_t k = k0; k < k1; ++k) {
+        if (k + CO_PF_DIST < k_stop) {
+            __builtin_prefetch(wmask + perm[k + CO_PF_DIST] * W + q);
+            __builtin_prefetch(g + (int64_t)row_t[k + CO_PF_DIST] * C);
+        }
+        const uint64_t m = wmask[perm[k] * W + q];
+        if (!m)
+            continue;
+        const float *gr = g + (int64_t)row_t[k] * C;
+        __m512 t[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v)
+            t[v] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < C; ++c) {
+            const __m512 b = _mm512_set1_ps(gr[c]);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v)
+                t[v] = _mm512_fmadd_ps(b, _mm512_loadu_ps(wq + c * F + 16 * v), t[v]);
+        }
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v)
+            acc[v] = _mm512_mask_add_ps(acc[v], (__mmask16)(m >> (16 * v)), acc[v], t[v]);
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+        _mm512_storeu_ps(o + 64 * q + 16 * v, acc[v]);
+}
+#endif
+
+#if defined(CO_VARIANT_AVX2)
+/* mask_gather_proj_row16 on AVX2, over the features [64 q + 32 h, 64 q + 32 h + 8 NV) (F % 8 == 0; at
+ * most 4 vectors a pass, so accumulators and products stay in the 16 ymm registers): each set byte
+ * of the edge's mask word becomes a lane mask (bit j of the byte -> lane j) that ands its product */
+static inline __attribute__((always_inline)) void
+KFN(CO_N2(mask_gather_proj_row8, CO_ISUF))(const int NV, int64_t k0, int64_t k1, int64_t k_stop, const CO_IT *row_t,
+                                           const int64_t *perm, const uint64_t *wmask, int64_t W, int64_t q, int h,
+                                           const float *g, int64_t C, const float *wl, int64_t F, float *o,
+                                           int accumulate)
+{
+    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const int64_t f0 = 64 * q + 32 * h;
+    __m256 acc[4];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+        acc[v] = accumulate ? _mm256_loadu_ps(o + f0 + 8 * v) : _mm256_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+        if (k + CO_PF_DIST < k_stop) {
+            __builtin_prefetch(wmask + perm[k + CO_PF_DIST] * W + q);
+            __builtin_prefetch(g + (int64_t)row_t[k + CO_PF_DIST] * C);
+        }
+        const uint64_t m = (wmask[perm[k] * W + q] >> (32 * h)) & 0xffffffffull;
+        if (!m)
+            continue;
+        const float *gr = g + (int64_t)row_t[k] * C;
+        __m256 t[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v)
+            t[v] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < C; ++c) {
+            const __m256 b = _mm256_set1_ps(gr[c]);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v)
+                t[v] = _mm256_fmadd_ps(b, _mm256_loadu_ps(wl + c * F + f0 + 8 * v), t[v]);
+        }
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) {
+            const __m256 lanes = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+                _mm256_and_si256(_mm256_set1_epi32((int)((m >> (8 * v)) & 0xff)), sel), sel));
+            acc[v] = _mm256_add_ps(acc[v], _mm256_and_ps(lanes, t[v]));
+        }
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+        _mm256_storeu_ps(o + f0 + 8 * v, acc[v]);
+}
+#endif
+
+/* out[i, j] (=, or += with accumulate) sum over k in [colptr[i], colptr[i+1]) whose wmask[perm[k]]
+ * has bit j of sum_{c < C} g[row_t[k], c] * wl[c, j]: mask_gather of g @ wl (g: n_rows x C, wl: C x F)
+ * without that n_rows x F product, each edge computing its own row of it where it won a feature.
+ * The backward of a max-aggregating layer whose linear map (wl) follows the aggregation: g is the
+ * layer's output gradient, narrower than F. Indices (row_t, perm) and the mask's bits are checked
+ * before any write, as mask_gather's. */
+int64_t KFN(CO_N3(mask_gather_proj, CO_DT, CO_ISUF))(
+    const int64_t *colptr, int64_t n_out, const CO_IT *row_t, const int64_t *perm, int64_t nnz,
+    const uint64_t *wmask, const float *g, int64_t n_rows, int64_t C, const float *wl, int64_t F,
+    float *out, int accumulate, int nthreads, int64_t *bad_pos)
+{
+    if (n_out < 0 || nnz < 0 || n_rows < 0 || C < 0 || F < 0 || nthreads < 1 || !colptr) return CO_ERR_BAD_ARGUMENT;
+    if ((n_rows * C > 0 && !g) || (C * F > 0 && !wl) || (n_out * F > 0 && !out) ||
+        (nnz > 0 && (!row_t || !perm || !wmask)))
+        return CO_ERR_BAD_ARGUMENT;
+    const int64_t st = KFN(CO_N3(check_csc, CO_DT, CO_ISUF))(colptr, n_out, row_t, perm, nnz, n_rows, 1, nthreads,
+                                                            bad_pos);
+    if (st != CO_OK) return st;
+    if (KFN(first_bad_mask)(wmask, nnz, F, nthreads) >= 0) return CO_ERR_BAD_ARGUMENT;
+    const int64_t W = (F + 63) / 64;
+#pragma omp parallel num_threads(nthreads) if (nnz * F > 32768)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t i0 = KFN(balanced_row_start)(colptr, n_out, t, nt);
+        const int64_t i1 = KFN(balanced_row_start)(colptr, n_out, t + 1, nt);
+        const int64_t k_stop = colptr[i1];
+        for (int64_t i = i0; i < i1; ++i) {
+            float *restrict o = out + i * F;
+#if defined(CO_VARIANT_AVX512)
+            if (F % 16 == 0) {
+                for (int64_t q = 0; q < W; ++q) {
+                    const int64_t left = F - 64 * q;
+                    if (left >= 64)
+                        KFN(CO_N2(mask_gather_proj_row16, CO_ISUF))(4, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, q, g, C, wl, F, o, accumulate);
+                    else if (left == 48)
+                        KFN(CO_N2(mask_gather_proj_row16, CO_ISUF))(3, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, q, g, C, wl, F, o, accumulate);
+                    else if (left == 32)
+                        KFN(CO_N2(mask_gather_proj_row16, CO_ISUF))(2, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, q, g, C, wl, F, o, accumulate);
+                    else
+                        KFN(CO_N2(mask_gather_proj_row16, CO_ISUF))(1, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, q, g, C, wl, F, o, accumulate);
+                }
+                continue;
+            }
+#elif defined(CO_VARIANT_AVX2)
+            if (F % 8 == 0) {
+                for (int64_t f = 0; f < F; f += 32) {
+                    const int nv = F - f >= 32 ? 4 : (int)((F - f) / 8);
+                    const int64_t q = f / 64;
+                    const int h = (int)((f % 64) / 32);
+                    if (nv == 4)
+                        KFN(CO_N2(mask_gather_proj_row8, CO_ISUF))(4, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, q, h, g, C, wl, F, o, accumulate);
+                    else if (nv == 3)
+                        KFN(CO_N2(mask_gather_proj_row8, CO_ISUF))(3, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, q, h, g, C, wl, F, o, accumulate);
+                    else if (nv == 2)
+                        KFN(CO_N2(mask_gather_proj_row8, CO_ISUF))(2, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, q, h, g, C, wl, F, o, accumulate);
+                    else
+                        KFN(CO_N2(mask_gather_proj_row8, CO_ISUF))(1, colptr[i], colptr[i + 1], k_stop, row_t, perm, wmask, W, q, h, g, C, wl, F, o, accumulate);
+                }
+                continue;
+            }
+#endif
+            if (!accumulate)
+                for (int64_t j = 0; j < F; ++j) o[j] = 0.f;
+            for (int64_t k = colptr[i]; k < colptr[i + 1]; ++k) {
+                const uint64_t *restrict m = wmask + perm[k] * W;
+                const float *restrict gr = g + (int64_t)row_t[k] * C;
+                for (int64_t q = 0; q < W; ++q)
+                    for (uint64_t b = m[q]; b; b &= b - 1) {
+                        const int64_t j = q * 64 + __builtin_ctzll(b);
+                        float s = 0.f;
+                        for (int64_t c = 0; c < C; ++c) s = fmaf(gr[c], wl[c * F + j], s);
+                        o[j] += s;
+                    }
+            }
+        }
+    }
+    return CO_OK;
+}
+#endif /* CO_DT_IS_F32 */

@@ -242,6 +242,9 @@ def test_pyg_models_train_on_the_tall_skinny_gemm_where_routed(name):
         # (32 -> 64 widens) and, for max (no linear map before a max), layer 2
         assert sum(v for k, v in ran.items() if "lin_l + lin_r" in k or "accumulated into lin_l" in k) == \
             (2 if name == "sage_max" else 1), ran
+    if name == "sage_max":  # layer 2 (64 -> 8, its input needing a gradient): aggregation and GEMM as one
+        # Function on the vector kernels (backward through mask_gather_proj)
+        assert ran.get(gpyg._MAX_SAGE, 0) == (1 if gpyg._max_sage_fits(64, 8) else 0), ran
     assert _rel(outs[1], outs[0].double()) < 1e-4
     for gf, gb in zip(grads[1], grads[0]):
         assert _rel(gf, gb.double()) < 1e-3
