@@ -474,8 +474,8 @@ class _NativeMaxSage(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, x_r, w1, b1, w2, b2, rowptr, col, colptr, row_t, perm_t, relu):
-        w1, w2 = w1.contiguous(), w2.contiguous()
-        a2 = x if x_r is None else x_r
+        w1, w2, x = w1.contiguous(), w2.contiguous(), x.contiguous()   # the kernels read dense rows
+        a2 = x if x_r is None else x_r.contiguous()
         aggr, wmask = K.segment_reduce(rowptr, col, None, x, "amax", mask=True)
         ctx.biases, ctx.relu, ctx.same, ctx.n_x = (b1 is not None, b2 is not None), relu, x_r is None, x.shape[0]
         bias = b1 if b2 is None else (b2 if b1 is None else b1 + b2)
