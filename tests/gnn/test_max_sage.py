@@ -158,26 +158,35 @@ class Net(torch.nn.Module):
         return self.c2(self.c1(x, edge_index).relu(), edge_index)
 
 
-@pytest.mark.parametrize("kw", [{}, {"bias": False}, {"normalize": True}])
-def test_optimized_sage_max_takes_the_narrowing_layer(kw):
-    """gnn.optimize runs layer 2 (64 -> 8, its input needing a gradient) as one Function on the vector
-    kernels (avx512, avx2); outputs and every parameter's gradient equal PyG's. Layer 1 (its input a constant) keeps
-    PyG's propagate, where the aggregation cache serves it."""
-    ei = rmat_edge_index(N, 6 * N, seed=2)
-    torch.manual_seed(0)
-    base = Net(**kw)
+def _train_step_both(base, seed):
+    """One cross-entropy backward of ``base`` and of ``gnn.optimize`` of a copy on an R-MAT graph:
+    ``(base, fast, x, edge_index, how many layer calls took _NativeMaxSage)``."""
+    ei = rmat_edge_index(N, 6 * N, seed=seed)
     fast = gnn.optimize(copy.deepcopy(base))
     x = torch.randn(N, 16)
     y = torch.randint(0, 8, (N,))
     before = gpyg._counts[gpyg._MAX_SAGE]
     for m in (base, fast):
         torch.nn.functional.cross_entropy(m(x, ei), y).backward()
-    ran = gpyg._counts[gpyg._MAX_SAGE] - before
+    return base, fast, x, ei, gpyg._counts[gpyg._MAX_SAGE] - before
+
+
+def _assert_same_grads(base, fast):
+    for (name, p), q in zip(base.named_parameters(), fast.model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("kw", [{}, {"bias": False}, {"normalize": True}])
+def test_optimized_sage_max_takes_the_narrowing_layer(kw):
+    """gnn.optimize runs layer 2 (64 -> 8, its input needing a gradient) as one Function on the vector
+    kernels (avx512, avx2); outputs and every parameter's gradient equal PyG's. Layer 1 (its input a constant) keeps
+    PyG's propagate, where the aggregation cache serves it."""
+    torch.manual_seed(0)
+    base, fast, x, ei, ran = _train_step_both(Net(**kw), seed=2)
     assert ran == (1 if K.variant() in ("avx512", "avx2") else 0)
     assert gpyg._max_sage_fits(64, 8) == (K.variant() in ("avx512", "avx2"))
     torch.testing.assert_close(fast(x, ei), base(x, ei), rtol=1e-4, atol=1e-5)
-    for (name, p), q in zip(base.named_parameters(), fast.model.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=f"grad of {name}")
+    _assert_same_grads(base, fast)
 
 
 class SlicedNet(Net):
@@ -194,18 +203,10 @@ class SlicedNet(Net):
 def test_optimized_sage_max_takes_a_strided_input():
     """A layer reading a strided view of the hidden features (as a model that slices them does) gets
     the same outputs and gradients as PyG: the Function reads dense copies."""
-    ei = rmat_edge_index(N, 6 * N, seed=6)
     torch.manual_seed(0)
-    base = SlicedNet()
-    fast = gnn.optimize(copy.deepcopy(base))
-    x = torch.randn(N, 16)
-    y = torch.randint(0, 8, (N,))
-    before = gpyg._counts[gpyg._MAX_SAGE]
-    for m in (base, fast):
-        torch.nn.functional.cross_entropy(m(x, ei), y).backward()
-    assert gpyg._counts[gpyg._MAX_SAGE] - before == (1 if gpyg._max_sage_fits(64, 8) else 0)
-    for (name, p), q in zip(base.named_parameters(), fast.model.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=f"grad of {name}")
+    base, fast, _, _, ran = _train_step_both(SlicedNet(), seed=6)
+    assert ran == (1 if gpyg._max_sage_fits(64, 8) else 0)
+    _assert_same_grads(base, fast)
 
 
 @pytest.mark.parametrize("case", ["widening", "no_grad", "width_not_8", "hooked"])
