@@ -52,17 +52,21 @@ def test_mask_path_equals_index_path(case, variant, dtype, F):
 @pytest.mark.parametrize("F", [32, 64, 128])
 def test_register_winners_with_ties_zeros_and_infinities(case, variant, F):
     """The float32 register path of max/min with winners (unweighted, F = 32 or whole words of 64: the
-    maximum in registers, then a second pass over the row finds the winners) against the generic
-    loop's int32 index: the first edge equal to the result wins, on data full of ties (few distinct
-    values, +0 and -0, as after a ReLU) and infinities; a NaN in a row sends it to the generic loop
-    (NaN wins, PyG's rule)."""
+    maximum and the position of its first edge in registers, one pass) against the generic loop's
+    int32 index: the first edge equal to the result wins, on data full of ties (few distinct values,
+    +0 and -0, as after a ReLU), with and without infinities, in short rows (each edge's mask word
+    formed by comparing positions) and the hub's long row (bits set one by one). +inf and -inf in
+    one lane of a row trip the register path's NaN check (a running sum) and send the row to the
+    generic loop: the same answer; a NaN sends it there too (NaN wins, PyG's rule)."""
     g, n_rows, n_cols, *_ = _graph(case)
     gen = torch.Generator().manual_seed(F)
-    x = torch.randint(-2, 3, (n_cols, F), generator=gen).float().relu()  # 0, 1, 2: ties everywhere
-    x[torch.rand(n_cols, F, generator=gen) < 0.1] = -0.0
-    x[torch.rand(n_cols, F, generator=gen) < 0.05] = float("inf")
+    ties = torch.randint(-2, 3, (n_cols, F), generator=gen).float().relu()  # 0, 1, 2: ties everywhere
+    ties[torch.rand(n_cols, F, generator=gen) < 0.1] = -0.0
+    pos_inf = ties.clone()
+    pos_inf[torch.rand(n_cols, F, generator=gen) < 0.05] = float("inf")
+    x = pos_inf.clone()
     x[torch.rand(n_cols, F, generator=gen) < 0.05] = -float("inf")
-    cases = [x]
+    cases = [ties, pos_inf, -pos_inf, x]
     if n_cols > 3:
         xn = x.clone()
         xn[1, F - 1] = float("nan")
