@@ -1491,7 +1491,8 @@ class OptimizedGNN(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, *, edge_arg: str | None = None,
                  index_dtype: torch.dtype = torch.int64, cache_size: int = 4, linear_first: bool = True,
                  onednn_linear: bool = True, fused_attention: bool = True,
-                 aggregation_cache_mb: float | None = AGGREGATION_CACHE_MB, fuse_relu: bool = True):
+                 aggregation_cache_mb: float | None = AGGREGATION_CACHE_MB, fuse_relu: bool = True,
+                 narrow_log_softmax: bool = True):
         super().__init__()
         if aggregation_cache_mb is not None and (isinstance(aggregation_cache_mb, bool)
                                                  or not isinstance(aggregation_cache_mb, (int, float))
@@ -1557,6 +1558,11 @@ class OptimizedGNN(torch.nn.Module):
         self._relu_graphs: dict = {}  # (training flags, fixed arguments) -> GraphModule or None
         self._trace_lock = threading.Lock()
         self._mentions_relu = bool(self._relu_takers) and _mentions_relu(model)
+        if narrow_log_softmax:
+            from . import log_softmax
+
+            log_softmax.install()
+            self._notes[_NARROW_LOG_SOFTMAX_NOTE] = 1
 
     def _relu_graph(self, bound):
         """The model's forward with each ReLU after a layer that takes it moved into that layer
@@ -1652,6 +1658,7 @@ class OptimizedGNN(torch.nn.Module):
         layers cpu_opt took over, ``notes`` the plan notes, ``counts`` how often each path ran since
         the process started (PyG calls that went back to PyG's own code count as fallbacks)."""
         counts = dict(_counts)
+        counts.update(_log_softmax_counts())
         return {
             "capability": "gnn", "dtype": "as the model", "num_partitions": 0, "partitions": [],
             "fallbacks": [{"node": k.split(":", 1)[0], "op": k.split(":", 1)[0], "reason": k.split(":", 1)[1].strip(),
@@ -1680,15 +1687,28 @@ class OptimizedGNN(torch.nn.Module):
         lines = [f"cpu_opt.gnn.optimize({type(self.model).__name__}):"]
         for k, v in sorted(self._notes.items()):
             lines.append(f"  {k}: {v}")
-        for k, v in sorted(_counts.items()):
+        for k, v in sorted({**_counts, **_log_softmax_counts()}.items()):
             lines.append(f"  {k}: {v}")
         return "\n".join(lines)
+
+
+_NARROW_LOG_SOFTMAX_NOTE = ("log_softmax (cross_entropy) over 1-15 classes on cpu_opt's kernel, process wide "
+                            "(cpu_opt.gnn.log_softmax; torch 2.13's is 12x slower there)")
+
+
+def _log_softmax_counts() -> dict:
+    from . import log_softmax
+
+    names = {"forward": "log_softmax:cpu_opt", "backward": "log_softmax backward:cpu_opt",
+             "forward_torch": "log_softmax:torch (not narrow float32)",
+             "backward_torch": "log_softmax backward:torch (not narrow float32)"}
+    return {names[k]: v for k, v in log_softmax.counts.items()}
 
 
 def optimize(model: torch.nn.Module, *, edge_arg: str | None = None, index_dtype: torch.dtype = torch.int64,
              linear_first: bool = True, onednn_linear: bool = True, fused_attention: bool = True,
              aggregation_cache_mb: float | None = AGGREGATION_CACHE_MB, fuse_relu: bool = True,
-             verbose: bool = False) -> OptimizedGNN:
+             narrow_log_softmax: bool = True, verbose: bool = False) -> OptimizedGNN:
     """Wrap a PyG model so its message passing runs on cpu_opt kernels. The model's forward must
     take node features first and ``edge_index`` (or ``edge_arg``) as a (2, E) integer tensor.
     ``index_dtype=torch.int32`` halves the column index traffic. ``linear_first``: narrowing
@@ -1706,7 +1726,10 @@ def optimize(model: torch.nn.Module, *, edge_arg: str | None = None, index_dtype
     ``nn.ReLU``) where nothing else reads that output runs inside the layer (SAGEConv and GINConv on
     cpu_opt's paths): the model's forward is traced by ``torch.fx`` on its first call (per
     train/eval state and non-tensor arguments) and rewritten (:func:`relu_fusion_graph`); a forward
-    that cannot be traced runs as written, and ``report()`` says why. ``False`` runs it as written."""
+    that cannot be traced runs as written, and ``report()`` says why. ``False`` runs it as written.
+    ``narrow_log_softmax``: install :mod:`cpu_opt.gnn.log_softmax`, the native kernels for torch's
+    CPU ``log_softmax`` and its backward over a last dimension of 1 to 15 columns (a node classifier's
+    ``cross_entropy``), process wide; other inputs keep torch's kernels. ``False`` leaves torch's."""
     from torch_geometric.nn import MessagePassing
 
     convs = [type(m).__name__ for m in model.modules() if isinstance(m, MessagePassing)]
@@ -1714,7 +1737,8 @@ def optimize(model: torch.nn.Module, *, edge_arg: str | None = None, index_dtype
         raise ValueError(f"{type(model).__name__} contains no torch_geometric MessagePassing layer")
     opt = OptimizedGNN(model, edge_arg=edge_arg, index_dtype=index_dtype, linear_first=linear_first,
                        onednn_linear=onednn_linear, fused_attention=fused_attention,
-                       aggregation_cache_mb=aggregation_cache_mb, fuse_relu=fuse_relu)
+                       aggregation_cache_mb=aggregation_cache_mb, fuse_relu=fuse_relu,
+                       narrow_log_softmax=narrow_log_softmax)
     if verbose:
         fused = [c for c in convs if c in ("GCNConv", "SAGEConv", "GINConv", "GraphConv")]
         print(f"cpu_opt.gnn.optimize: {len(convs)} message-passing layers ({', '.join(sorted(set(convs)))}); "

@@ -162,6 +162,13 @@ int64_t KFN(transformer_backward_bf16_i32)(const int64_t *rowptr, int64_t n_dst,
 int64_t KFN(gelu_erf_f32)(const float *x, float *y, int64_t n, int nthreads);
 /* gelu_tanh_f32: the same for torch's approximate="tanh" GELU, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) */
 int64_t KFN(gelu_tanh_f32)(const float *x, float *y, int64_t n, int nthreads);
+/* log_softmax_narrow_f32: out = log_softmax(x) over the last dimension of a row-major rows x dim
+ * tensor, 1 <= dim <= 15 (torch 2.13's kernel is 12x slower there than at 16); out may be x.
+ * log_softmax_backward_narrow_f32: gin = g - exp(out) * sum(g) per row; gin may be g (not out). CO_ERR_BAD_ARGUMENT on a bad
+ * size or a NULL pointer */
+int64_t KFN(log_softmax_narrow_f32)(const float *x, float *out, int64_t rows, int64_t dim, int nthreads);
+int64_t KFN(log_softmax_backward_narrow_f32)(const float *g, const float *out, float *gin, int64_t rows, int64_t dim,
+                                             int nthreads);
 
 /* ---- LayerNorm + uint8 quantization (native/kernels/layer_norm.c) ----
  * layer_norm_u8_f32: torch's layer_norm over the last `cols` of `rows` rows (row r at x + r * x_stride),
