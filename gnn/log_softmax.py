@@ -13,8 +13,11 @@ backward against 0.95 and 0.41 at 100k x 16) — 18 ms of a 90 ms GraphSAGE trai
 
 :func:`install` registers CPU kernels for the two ATen operators through ``torch.library`` (process
 wide; ``gnn.optimize`` installs them unless ``narrow_log_softmax=False``). They take float32,
-contiguous, last-dimension inputs of 1 to 15 columns; every other call goes to torch's own kernel
-through the operators' ``out=`` overloads, which stay torch's. The native rows use Cephes' exp
+contiguous, last-dimension inputs of 1 to 15 columns and at least ``MIN_ROWS`` rows; every other call
+goes to torch's own kernel through the operators' ``out=`` overloads, which stay torch's, after a
+Python call that costs it 8-13 us (64 x 32 on a Zen 4: 2.8 us in torch's kernel alone, 10.8 installed):
+small against a wide softmax's own time, and the price of installing it in a process that runs many
+small ones. The native rows use Cephes' exp
 (within a few ulp of libm's expf); rows with inf or NaN take a scalar loop on libm with IEEE rules,
 so NaN and +inf give NaN as torch's do.
 """
@@ -29,6 +32,10 @@ import torch
 from cpu_opt import native
 
 MAX_DIM = 15  # torch's kernel is fast from 16 columns on
+# Installed, the kernels take tensors of at least this many rows: below, torch's own kernel plus the
+# Python call's overhead is no slower (10 columns, 2 threads, Zen 4: 64 rows 9 us in torch's kernel,
+# 17 installed either way; 256 rows 24 against 16; 4096 rows 321 against 52)
+MIN_ROWS = 64
 
 counts: Counter = Counter()  # "forward" / "backward": calls the native kernels took; "*_torch": passed on
 _lock = threading.Lock()
@@ -55,9 +62,13 @@ def _last_dim(x: torch.Tensor, dim: int) -> int:
 def _narrow(x: torch.Tensor, dim: int) -> bool:
     """Whether the native kernel takes ``x`` along ``dim``: float32 CPU, contiguous, the last
     dimension, 1..MAX_DIM columns."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.layout == torch.strided and x.dim() >= 1
-            and _last_dim(x, dim) == x.dim() - 1 and 1 <= x.shape[-1] <= MAX_DIM and x.is_contiguous()
+    return (x.dtype == torch.float32 and x.dim() >= 1 and 1 <= x.shape[-1] <= MAX_DIM and x.is_cpu
+            and x.layout == torch.strided and _last_dim(x, dim) == x.dim() - 1 and x.is_contiguous()
             and not x.is_neg() and not x.is_conj())
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1]
 
 
 def log_softmax_narrow(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -101,7 +112,7 @@ def log_softmax_backward_narrow(grad: torch.Tensor, out: torch.Tensor, dim: int 
 # ------------------------------------------------------------------ the ATen kernels
 
 def _aten_log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
-    if not half_to_float and _narrow(x, dim):
+    if not half_to_float and _narrow(x, dim) and _rows(x) >= MIN_ROWS:
         counts["forward"] += 1
         return log_softmax_narrow(x, dim)
     counts["forward_torch"] += 1
@@ -110,7 +121,8 @@ def _aten_log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.T
 
 
 def _aten_log_softmax_backward(grad: torch.Tensor, out: torch.Tensor, dim: int, input_dtype: torch.dtype) -> torch.Tensor:
-    if input_dtype == torch.float32 and grad.shape == out.shape and _narrow(grad, dim) and _narrow(out, dim):
+    if input_dtype == torch.float32 and grad.shape == out.shape and _narrow(grad, dim) and _narrow(out, dim) and \
+            _rows(grad) >= MIN_ROWS:
         counts["backward"] += 1
         return log_softmax_backward_narrow(grad, out, dim)
     counts["backward_torch"] += 1

@@ -134,7 +134,7 @@ def test_bad_input_is_refused(torch_kernels):
 
 def test_installed_cross_entropy_runs_the_kernels_and_equals_torch(torch_kernels):
     torch.manual_seed(0)
-    logits = torch.randn(3000, 7) * 2
+    logits = torch.randn(3000, 7) * 2  # at least MIN_ROWS rows
     y = torch.randint(0, 7, (3000,))
     a = logits.clone().requires_grad_()
     loss_t = F.cross_entropy(a, y)
@@ -150,8 +150,10 @@ def test_installed_cross_entropy_runs_the_kernels_and_equals_torch(torch_kernels
     torch.testing.assert_close(loss_c, loss_t, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7)
     # other inputs go to torch's own kernel: the same bits as before installing
-    for x, dim in ((torch.randn(50, 16), 1), (torch.randn(50, 7).double(), 1), (torch.randn(50, 7), 0),
-                   (torch.randn(7, 50).t(), 1), (torch.randn(50, 7).bfloat16(), 1)):
+    # (rows under MIN_ROWS: torch's kernel plus the call costs no more than ours)
+    for x, dim in ((torch.randn(80, 16), 1), (torch.randn(80, 7).double(), 1), (torch.randn(80, 7), 0),
+                   (torch.randn(7, 80).t(), 1), (torch.randn(80, 7).bfloat16(), 1),
+                   (torch.randn(LS.MIN_ROWS - 1, 7), 1)):
         n_torch = LS.counts["forward_torch"]
         got = torch.log_softmax(x, dim)
         assert LS.counts["forward_torch"] == n_torch + 1
@@ -185,9 +187,9 @@ def test_gnn_optimize_installs_it_and_reports(torch_kernels):
         def forward(self, x, edge_index):
             return self.conv(x, edge_index)
 
-    ei = torch.randint(0, 30, (2, 90))
-    x = torch.randn(30, 8)
-    y = torch.randint(0, 5, (30,))
+    ei = torch.randint(0, 100, (2, 300))
+    x = torch.randn(100, 8)  # at least MIN_ROWS nodes
+    y = torch.randint(0, 5, (100,))
     gnn.optimize(Net(), narrow_log_softmax=False)
     assert not LS.installed()
     model = gnn.optimize(Net())
