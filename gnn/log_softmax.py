@@ -71,6 +71,17 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
+def _run(name: str, *inputs: torch.Tensor) -> torch.Tensor:
+    """The kernel ``name`` on the (checked) ``inputs``, into a new tensor shaped as the first."""
+    res = torch.empty_like(inputs[0], memory_format=torch.contiguous_format)
+    dim_size = res.shape[-1]
+    st = _kernel(name)(*(native.ptr(t, "float *") for t in (*inputs, res)), res.numel() // dim_size, dim_size,
+                       _nthreads())
+    if st:
+        raise RuntimeError(f"{name} failed with status {st}")
+    return res
+
+
 def log_softmax_narrow(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``torch.log_softmax(x, dim)`` for a float32 CPU tensor whose ``dim`` is its last dimension,
     of 1 to 15 columns, on the native kernel (no autograd: :func:`install` is the way to train with
@@ -81,13 +92,7 @@ def log_softmax_narrow(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         raise ValueError("log_softmax_narrow takes a contiguous float32 CPU tensor along its last dimension of "
                          f"1..{MAX_DIM} columns; got {x.dtype} on {x.device}, shape {tuple(x.shape)}, dim {dim}, "
                          f"contiguous {x.is_contiguous()}")
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    dim_size = x.shape[-1]
-    st = _kernel("log_softmax_narrow_f32")(native.ptr(x, "float *"), native.ptr(out, "float *"),
-                                           x.numel() // dim_size, dim_size, _nthreads())
-    if st:
-        raise RuntimeError(f"log_softmax_narrow_f32 failed with status {st}")
-    return out
+    return _run("log_softmax_narrow_f32", x)
 
 
 def log_softmax_backward_narrow(grad: torch.Tensor, out: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -99,14 +104,7 @@ def log_softmax_backward_narrow(grad: torch.Tensor, out: torch.Tensor, dim: int 
         raise ValueError("log_softmax_backward_narrow takes grad and out of one shape, contiguous float32 CPU, "
                          f"along the last dimension of 1..{MAX_DIM} columns; got {grad.dtype} {tuple(grad.shape)} "
                          f"and {out.dtype} {tuple(out.shape)}, dim {dim}")
-    gin = torch.empty_like(grad, memory_format=torch.contiguous_format)
-    dim_size = grad.shape[-1]
-    st = _kernel("log_softmax_backward_narrow_f32")(native.ptr(grad, "float *"), native.ptr(out, "float *"),
-                                                    native.ptr(gin, "float *"), grad.numel() // dim_size, dim_size,
-                                                    _nthreads())
-    if st:
-        raise RuntimeError(f"log_softmax_backward_narrow_f32 failed with status {st}")
-    return gin
+    return _run("log_softmax_backward_narrow_f32", grad, out)
 
 
 # ------------------------------------------------------------------ the ATen kernels

@@ -193,6 +193,24 @@ static void KFN(co_log_softmax_row_scalar)(const float *x, float *o, int64_t dim
 }
 
 #if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
+/* the lanes of a row of dim columns in one or two 8-float vectors (f0, f1: all ones where a column
+ * is; want: their 16-bit movemask) and the first row of [., r1) whose vectors would reach past r1 */
+typedef struct {
+    __m256 f0, f1;
+    int want;
+    int64_t stop;
+} KFN(co_row_lanes);
+
+static inline KFN(co_row_lanes) KFN(co_lanes_of)(int64_t dim, int64_t r1) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    KFN(co_row_lanes) L;
+    L.f0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(dim < 8 ? dim : 8)), lane));
+    L.f1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(dim > 8 ? dim - 8 : 0)), lane));
+    L.want = _mm256_movemask_ps(L.f0) | (_mm256_movemask_ps(L.f1) << 8);
+    L.stop = r1 - ((dim <= 8 ? 8 : 16) + dim - 1) / dim;
+    return L;
+}
+
 /* the max of v's 8 lanes, in every lane */
 static inline __m256 KFN(co_hmax8)(__m256 v) {
     v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 1));
@@ -210,14 +228,11 @@ static inline __m256 KFN(co_hmax8)(__m256 v) {
 static void KFN(co_log_softmax_rows)(const float *x, float *out, int64_t r0, int64_t r1, int64_t dim) {
     int64_t r = r0;
 #if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 f0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(dim < 8 ? dim : 8)), lane));
-    const __m256 f1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(dim > 8 ? dim - 8 : 0)), lane));
-    const int want = _mm256_movemask_ps(f0) | (_mm256_movemask_ps(f1) << 8);
+    const KFN(co_row_lanes) L = KFN(co_lanes_of)(dim, r1);
+    const __m256 f0 = L.f0, f1 = L.f1;
+    const int want = L.want;
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    const int64_t width = dim <= 8 ? 8 : 16;
-    const int64_t stop = r1 - (width + dim - 1) / dim; /* rows whose vectors end inside [r0, r1) */
-    for (; r < stop; ++r) {
+    for (; r < L.stop; ++r) {
         const float *xr = x + r * dim;
         float *o = out + r * dim;
         const __m256 ra = _mm256_loadu_ps(xr);
@@ -265,14 +280,11 @@ static void KFN(co_log_softmax_backward_rows)(const float *g, const float *out, 
                                                int64_t dim) {
     int64_t r = r0;
 #if defined(CO_VARIANT_AVX2) || defined(CO_VARIANT_AVX512)
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 f0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(dim < 8 ? dim : 8)), lane));
-    const __m256 f1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(dim > 8 ? dim - 8 : 0)), lane));
-    const int want = _mm256_movemask_ps(f0) | (_mm256_movemask_ps(f1) << 8);
+    const KFN(co_row_lanes) L = KFN(co_lanes_of)(dim, r1);
+    const __m256 f0 = L.f0, f1 = L.f1;
+    const int want = L.want;
     const __m256 lo = _mm256_set1_ps(-87.f), hi = _mm256_set1_ps(87.f);
-    const int64_t width = dim <= 8 ? 8 : 16;
-    const int64_t stop = r1 - (width + dim - 1) / dim;
-    for (; r < stop; ++r) {
+    for (; r < L.stop; ++r) {
         const float *gr = g + r * dim, *orow = out + r * dim;
         float *o = gin + r * dim;
         const __m256 ga = _mm256_loadu_ps(gr), oa = _mm256_loadu_ps(orow);
