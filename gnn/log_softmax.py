@@ -38,6 +38,7 @@ MAX_DIM = 15  # torch's kernel is fast from 16 columns on
 MIN_ROWS = 64
 
 counts: Counter = Counter()  # "forward" / "backward": calls the native kernels took; "*_torch": passed on
+# (statistics: calls from several threads at once may lose a count)
 _lock = threading.Lock()
 _library: torch.library.Library | None = None
 
@@ -52,11 +53,10 @@ def _nthreads() -> int:
     return max(1, torch.get_num_threads())
 
 
-def _last_dim(x: torch.Tensor, dim: int) -> int:
+def _last_dim(x: torch.Tensor, dim: int) -> int | None:
+    """``dim`` wrapped, or None where it is out of range (torch's kernel then raises its own error)."""
     nd = max(x.dim(), 1)
-    if not -nd <= dim < nd:
-        raise IndexError(f"log_softmax: dim {dim} out of range for a tensor of {x.dim()} dimensions")
-    return dim % nd
+    return dim % nd if -nd <= dim < nd else None
 
 
 def _narrow(x: torch.Tensor, dim: int) -> bool:
@@ -88,6 +88,8 @@ def log_softmax_narrow(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     it). Raises ``ValueError`` for anything else."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"log_softmax_narrow: x must be a torch.Tensor, got {type(x).__name__}")
+    if _last_dim(x, dim) is None:
+        raise IndexError(f"log_softmax_narrow: dim {dim} out of range for a tensor of {x.dim()} dimensions")
     if not _narrow(x, dim):
         raise ValueError("log_softmax_narrow takes a contiguous float32 CPU tensor along its last dimension of "
                          f"1..{MAX_DIM} columns; got {x.dtype} on {x.device}, shape {tuple(x.shape)}, dim {dim}, "
@@ -147,7 +149,8 @@ def install() -> bool:
 
 def uninstall() -> bool:
     """Give ``aten::_log_softmax`` and its backward their torch kernels back. Returns whether they
-    were installed."""
+    were installed. As any change of torch's dispatch table, not while other threads run torch ops
+    (install and uninstall are serialised with each other, not with dispatch)."""
     global _library
     with _lock:
         if _library is None:

@@ -110,6 +110,54 @@ def test_in_place_and_neighbour_rows(torch_kernels, variant, dim):
     assert torch.equal(gg, want_g)
 
 
+def _guarded(n_floats: int):
+    """A float32 tensor of n_floats ending exactly where an inaccessible page starts (and one
+    starting right after another): a kernel reading or writing past either end faults."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    body = (n_floats * 4 + page - 1) // page * page
+    buf = mmap.mmap(-1, body + 2 * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    libc = ctypes.CDLL(None)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(base, page, 0) == 0 and libc.mprotect(base + page + body, page, 0) == 0
+    end = torch.frombuffer(buf, dtype=torch.float32, count=n_floats, offset=page + body - n_floats * 4)
+    start = torch.frombuffer(buf, dtype=torch.float32, count=n_floats, offset=page)
+    return buf, end, start
+
+
+@pytest.mark.parametrize("variant", RUNNABLE_VARIANTS)
+def test_vectors_stay_inside_the_tensor(torch_kernels, variant):
+    """The vector rows read and write whole vectors past their row: never past the tensor (inputs and
+    outputs end at an inaccessible page) nor into another thread's rows (2 threads, sizes around
+    the split; the result equals torch's)."""
+    fn = native.kernel("log_softmax_narrow_f32", variant)
+    bfn = native.kernel("log_softmax_backward_narrow_f32", variant)
+    for dim in (1, 2, 7, 8, 9, 15):
+        for rows in (1, 3, 17, 4095, 4097):
+            x = _data(rows, dim, seed=rows)
+            want = _torch_log_softmax(x)
+            g = torch.randn(rows, dim)
+            want_g = torch.ops.aten._log_softmax_backward_data(g, want, 1, torch.float32)
+            keep = []
+            for place in (1, 2):  # at the end of the mapping, at its start
+                bx, ex, sx = _guarded(rows * dim)
+                bo, eo, so = _guarded(rows * dim)
+                bg, eg, sg = _guarded(rows * dim)
+                keep += [bx, bo, bg]
+                xs, os_, gs = (ex, eo, eg) if place == 1 else (sx, so, sg)
+                xs.copy_(x.reshape(-1))
+                assert fn(native.ptr(xs, "float *"), native.ptr(os_, "float *"), rows, dim, 2) == 0
+                torch.testing.assert_close(os_.view(rows, dim), want, rtol=2e-6, atol=2e-6)
+                gs.copy_(g.reshape(-1))
+                assert bfn(native.ptr(gs, "float *"), native.ptr(os_, "float *"), native.ptr(gs, "float *"),
+                           rows, dim, 2) == 0
+                torch.testing.assert_close(gs.view(rows, dim), want_g, rtol=2e-6, atol=2e-6)
+                del xs, os_, gs, ex, eo, eg, sx, so, sg
+
+
 def test_bad_input_is_refused(torch_kernels):
     with pytest.raises(TypeError, match="torch.Tensor"):
         LS.log_softmax_narrow([1.0, 2.0])
@@ -119,6 +167,11 @@ def test_bad_input_is_refused(torch_kernels):
             LS.log_softmax_narrow(bad, 1 if why == "dim 1" else -1)
     with pytest.raises(IndexError, match="dim 2 out of range"):
         LS.log_softmax_narrow(torch.randn(4, 8), 2)
+    # installed, an out-of-range dim gets torch's own error
+    LS.install()
+    with pytest.raises(IndexError, match="Dimension out of range"):
+        torch.log_softmax(torch.randn(100, 8), 2)
+    LS.uninstall()
     with pytest.raises(ValueError, match="one shape"):
         LS.log_softmax_backward_narrow(torch.randn(4, 8), torch.randn(4, 7))
     # the native entry points check sizes and pointers before touching memory
