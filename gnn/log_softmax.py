@@ -31,6 +31,8 @@ import torch
 
 from cpu_opt import native
 
+from ._kernels import _fn, _nthreads  # the variant lookup and thread count the other gnn kernels use
+
 MAX_DIM = 15  # torch's kernel is fast from 16 columns on
 # Installed, the kernels take tensors of at least this many rows: below, torch's own kernel plus the
 # Python call's overhead is no slower (10 columns, 2 threads, Zen 4: 64 rows 9 us in torch's kernel,
@@ -41,16 +43,6 @@ counts: Counter = Counter()  # "forward" / "backward": calls the native kernels 
 # (statistics: calls from several threads at once may lose a count)
 _lock = threading.Lock()
 _library: torch.library.Library | None = None
-
-
-def _kernel(name: str):
-    from ._kernels import _fn
-
-    return _fn(name)
-
-
-def _nthreads() -> int:
-    return max(1, torch.get_num_threads())
 
 
 def _last_dim(x: torch.Tensor, dim: int) -> int | None:
@@ -75,8 +67,8 @@ def _run(name: str, *inputs: torch.Tensor) -> torch.Tensor:
     """The kernel ``name`` on the (checked) ``inputs``, into a new tensor shaped as the first."""
     res = torch.empty_like(inputs[0], memory_format=torch.contiguous_format)
     dim_size = res.shape[-1]
-    st = _kernel(name)(*(native.ptr(t, "float *") for t in (*inputs, res)), res.numel() // dim_size, dim_size,
-                       _nthreads())
+    st = _fn(name)(*(native.ptr(t, "float *") for t in (*inputs, res)), res.numel() // dim_size, dim_size,
+                   _nthreads())
     if st:
         raise RuntimeError(f"{name} failed with status {st}")
     return res
